@@ -1,0 +1,23 @@
+"""gradsync: data-parallel gradient synchronisation for PyTorch, in readable Python.
+
+`gradsync.DistributedDataParallel` is a drop-in for torch's; `gradsync.Reducer` is the engine
+underneath (bucketed all-reduce overlapped with backward), usable on its own.
+"""
+
+from .bucketing import compute_bucket_assignment_by_size
+from .config import ReducerConfig
+from .errors import GradSyncError, ReductionTimeoutError
+from .reducer import Reducer
+from .timeline import EventKind, IterationTimeline
+
+__all__ = [
+    "EventKind",
+    "GradSyncError",
+    "IterationTimeline",
+    "Reducer",
+    "ReducerConfig",
+    "ReductionTimeoutError",
+    "compute_bucket_assignment_by_size",
+]
+
+__version__ = "0.1.0"

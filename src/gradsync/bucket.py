@@ -1,0 +1,77 @@
+"""A bucket: one flat, contiguous gradient buffer and the parameters whose gradients live in it.
+
+Layered nouns: the buffer owns the memory; each parameter gets a view of it with the parameter's
+shape (and strides, for channels-last tensors), at its offset. The Reducer copies gradients in
+(or lets `.grad` be the view), reduces the buffer as one tensor, and copies results out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+__all__ = ["Bucket"]
+
+
+class Bucket:
+    """Flat gradient storage for a group of parameters of one dtype on one device."""
+
+    def __init__(self, index: int, param_indices: Sequence[int], params: Sequence[torch.Tensor]):
+        self.index = index
+        self.param_indices = list(param_indices)
+        self.params = [params[i] for i in self.param_indices]
+        self.lengths = [p.numel() for p in self.params]
+        self.offsets = _running_offsets(self.lengths)
+        first = self.params[0]
+        self.buffer = torch.zeros(sum(self.lengths), dtype=first.dtype, device=first.device)
+        self.views = [
+            _view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
+        ]
+        # Per-iteration state, reset by `reset()`.
+        self.pending = len(self.params)
+        self.work: torch.distributed.Work | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.work = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket(index={self.index}, params={self.param_indices}, "
+            f"numel={self.buffer.numel()}, dtype={self.buffer.dtype})"
+        )
+
+
+def _running_offsets(lengths: Sequence[int]) -> list[int]:
+    offsets, total = [], 0
+    for n in lengths:
+        offsets.append(total)
+        total += n
+    return offsets
+
+
+def _view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """A view of `buffer` at `offset` shaped like `param`, with its strides where they are dense.
+
+    Matching strides keeps `.grad` in the layout autograd would have produced (the "gradient
+    layout contract"), so a channels-last convolution keeps channels-last gradients.
+    """
+    if not param.is_contiguous() and _is_dense_permutation(param):
+        return buffer.as_strided(param.size(), param.stride(), buffer.storage_offset() + offset)
+    return buffer.narrow(0, offset, param.numel()).view(param.shape)
+
+
+def _is_dense_permutation(t: torch.Tensor) -> bool:
+    """True when the strides are a permutation of a contiguous layout (no gaps, no overlap)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.size()) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True

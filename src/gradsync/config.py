@@ -1,0 +1,49 @@
+"""The Reducer's configuration: one frozen dataclass, validated without a process group."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+
+from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+
+__all__ = ["ReducerConfig"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReducerConfig:
+    """How a `Reducer` synchronises gradients. Every field has the meaning of torch DDP's."""
+
+    find_unused_parameters: bool = False
+    """Walk the autograd graph from the forward outputs and mark parameters that cannot get a
+    gradient as ready at once; all-reduce a used-map so a parameter unused on every rank keeps
+    the gradient it had (torch: untouched / None)."""
+
+    gradient_as_bucket_view: bool = False
+    """Make each `.grad` a view into its bucket's flat buffer, so nothing is copied back."""
+
+    rebuild_bucket_size_limits: tuple[int, ...] | None = (
+        DEFAULT_FIRST_BUCKET_BYTES,
+        DEFAULT_BUCKET_CAP_BYTES,
+    )
+    """Byte limits for the one-time rebuild of buckets in the order gradients became ready in the
+    first synchronised iteration; None keeps the initial layout for good. The rebuild is skipped
+    with find_unused_parameters, whose ready order may change every iteration (as torch)."""
+
+    timeout: timedelta = timedelta(minutes=30)
+    """How long the end of backward waits for one bucket's reduction before raising."""
+
+    history: int = 16
+    """How many finished iterations' timelines to keep (bounded memory)."""
+
+    def __post_init__(self) -> None:
+        limits = self.rebuild_bucket_size_limits
+        if limits is not None and (len(limits) == 0 or any(int(x) < 0 for x in limits)):
+            raise ValueError(
+                f"rebuild_bucket_size_limits={limits!r}: give one or more byte limits >= 0, "
+                "or None to keep the initial layout"
+            )
+        if self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={self.timeout!r} must be positive")
+        if self.history < 1:
+            raise ValueError(f"history={self.history} must be at least 1")

@@ -1,0 +1,79 @@
+"""Error messages that say what happened, show the values, and give numbered fixes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+__all__ = [
+    "GradSyncError",
+    "ReductionTimeoutError",
+    "format_names",
+    "marked_twice_message",
+    "unfinished_reduction_message",
+]
+
+
+class GradSyncError(RuntimeError):
+    """A misuse or failure detected by gradsync (a RuntimeError, as torch's DDP raises)."""
+
+
+class ReductionTimeoutError(GradSyncError):
+    """A bucket's reduction did not finish within the configured timeout."""
+
+
+def format_names(names: Sequence[str], limit: int = 20) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... and {len(names) - limit} more" if len(names) > limit else "")
+
+
+_TWICE_CAUSES = {
+    "unused": "It was marked unused when forward returned (it is not reachable from the "
+    "outputs), and then received a gradient anyway: it was used outside forward's outputs.",
+    "repeat": "Its gradient hook fired twice in one backward pass.",
+    "late": "Its gradient arrived after this iteration's gradients had already been reduced, "
+    "so it would have been left out of the average.",
+}
+
+
+def marked_twice_message(name: str, index: int, rank: int, cause: str) -> str:
+    return (
+        f"gradsync: parameter {name!r} (index {index}) on rank {rank} was marked ready for "
+        f"reduction twice in the same iteration. {_TWICE_CAUSES[cause]}\n"
+        "Possible causes and fixes:\n"
+        "  1. The parameter is used outside the module's forward (e.g. in the loss): move that "
+        "use inside forward, or make forward return what the loss needs.\n"
+        "  2. Activation checkpointing with reentrant backward, or a parameter shared by several "
+        "reentrant backward passes: use torch.utils.checkpoint(..., use_reentrant=False), or "
+        "static_graph=True if the graph does not change between iterations.\n"
+        "  3. backward() was called twice on graphs from one forward: run forward again, or "
+        "do the extra backward under no_sync()."
+    )
+
+
+def unfinished_reduction_message(
+    missing: Sequence[str], rank: int, find_unused: bool, iteration: int
+) -> str:
+    detail = (
+        f"On rank {rank}, {len(missing)} parameter(s) got no gradient in iteration {iteration}: "
+        f"{format_names(missing)}."
+    )
+    fixes = [
+        "Pass find_unused_parameters=True so parameters that take no part in the loss are "
+        "detected at every forward (costs a graph walk per iteration).",
+        "Make every parameter take part in the loss, or set requires_grad=False on the ones "
+        "that never train.",
+    ]
+    if find_unused:
+        fixes = [
+            "Make sure every tensor forward returns is used in the loss: gradsync walks the "
+            "graph from forward's outputs, so an output left out of the loss hides its "
+            "parameters from the search.",
+            "Return the outputs as tensors inside tuples, lists, dicts or dataclasses, which "
+            "gradsync can look into.",
+        ]
+    numbered = "\n".join(f"  {n}. {fix}" for n, fix in enumerate(fixes, 1))
+    return (
+        "gradsync: a new iteration started before the previous one finished reducing "
+        f"gradients. {detail} Their buckets never filled, so the gradients were not "
+        f"all-reduced.\nFixes:\n{numbered}"
+    )

@@ -1,0 +1,374 @@
+"""The Reducer: bucketed, overlapped gradient all-reduce driven by autograd hooks.
+
+One iteration, as torch's c10d Reducer runs it:
+
+1. `prepare_for_backward(outputs)` (from forward) resets the accounting and, with unused-parameter
+   search on, walks the graph from the outputs to find parameters that cannot get a gradient.
+2. Each parameter's post-accumulate-grad hook marks it ready: its gradient is scaled by 1/world
+   while it is copied into its bucket (pre-dividing keeps half precision from overflowing in the
+   sum). The first hook also marks the unused parameters ready, so no bucket waits for them.
+3. When a bucket's last gradient arrives and every bucket before it has been launched, its
+   all-reduce starts asynchronously while autograd keeps computing the rest of backward.
+4. After the last bucket launches, `finish_backward` is queued on the autograd engine; at the end
+   of backward it waits for each bucket (with a timeout) and writes the averages into `.grad`.
+
+After the first synchronised iteration the buckets are rebuilt once, in the order gradients
+actually became ready there (rank 0's order, broadcast, so every rank has the same layout).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from .bucket import Bucket
+from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
+from .config import ReducerConfig
+from .errors import (
+    GradSyncError,
+    ReductionTimeoutError,
+    format_names,
+    marked_twice_message,
+    unfinished_reduction_message,
+)
+from .timeline import EventKind, IterationTimeline, now_ns
+from .unused import find_tensors, reachable_parameters
+
+__all__ = ["Reducer"]
+
+
+class Reducer:
+    """Synchronise the gradients of `params` over `process_group`, one bucket at a time.
+
+    `bucket_indices` lists, per bucket, indices into `params`; buckets are reduced in that order,
+    so the first bucket should hold the parameters whose gradients are ready first.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_indices: Sequence[Sequence[int]],
+        process_group: dist.ProcessGroup,
+        *,
+        param_names: Sequence[str] | None = None,
+        config: ReducerConfig | None = None,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(param_names) if param_names is not None else _default_names(self.params)
+        _check_params(self.params, self.names)
+        self.process_group = process_group
+        self.config = config or ReducerConfig()
+        self.rank = process_group.rank()
+        self.world_size = process_group.size()
+        self._inv_world = 1.0 / self.world_size
+        self._find_unused = self.config.find_unused_parameters
+        self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
+        self._needs_rebuild = (
+            self.config.rebuild_bucket_size_limits is not None and not self._find_unused
+        )
+        self.history: deque[IterationTimeline] = deque(maxlen=self.config.history)
+        self.buckets: list[Bucket]
+        self._unused: list[int] = []
+        self.iteration = 0
+        self._expect_hooks = False
+        self._reset_iteration_state()
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
+            for i, p in enumerate(self.params)
+        ]
+
+    # ----------------------------------------------------------------------------- layout
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        return [list(b.param_indices) for b in self.buckets]
+
+    def _install_buckets(self, layout: list[list[int]]) -> None:
+        self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(layout)]
+        self._locators: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for pos, i in enumerate(bucket.param_indices):
+                self._locators[i] = (bucket, pos)
+        if self.config.gradient_as_bucket_view:
+            self._point_grads_at_buckets()
+
+    def _point_grads_at_buckets(self) -> None:
+        """Move existing gradients into the (new) buckets, so `.grad` stays a bucket view."""
+        with torch.no_grad():
+            for bucket in self.buckets:
+                for p, view in zip(bucket.params, bucket.views):
+                    if p.grad is not None and not _aliases(p.grad, view):
+                        view.copy_(p.grad)
+                        p.grad = view
+
+    def _rebuild_buckets(self) -> None:
+        """Re-bucket once, in rank 0's ready order of the first synchronised iteration."""
+        self._needs_rebuild = False
+        local = self.history[-1].ready_order() if self.history else []
+        order = self._broadcast_order(local)
+        if sorted(order) != list(range(len(self.params))):
+            return  # rank 0 did not see every gradient; every rank skips alike
+        limits = list(self.config.rebuild_bucket_size_limits or ())
+        layout, _ = compute_bucket_assignment_by_size(
+            [self.params[i] for i in order], limits, tensor_indices=order
+        )
+        self._install_buckets(layout)
+
+    def _broadcast_order(self, order: list[int]) -> list[int]:
+        n = len(self.params)
+        device = self.buckets[0].buffer.device
+        t = torch.full((n,), -1, dtype=torch.int64, device=device)
+        if len(order) == n:
+            t.copy_(torch.tensor(order, dtype=torch.int64))
+        work = self.process_group.broadcast([t], dist.BroadcastOptions())
+        self._wait_work(work, "broadcast of the rebuilt bucket order from rank 0")
+        return t.tolist()
+
+    # ------------------------------------------------------------------ iteration lifecycle
+
+    def prepare_for_backward(self, outputs: object = None) -> None:
+        """Start a synchronised iteration; call from forward with its outputs.
+
+        With find_unused_parameters, parameters not reachable from `outputs` will be marked
+        ready as soon as backward starts.
+        """
+        self._check_prior_reduction_finished()
+        if self._needs_rebuild and self.history:
+            self._rebuild_buckets()
+        self.iteration += 1
+        self._reset_iteration_state()
+        self._expect_hooks = True
+        if self._find_unused:
+            reached = reachable_parameters(find_tensors(outputs))
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+            self._has_marked_unused = not self._unused
+        self._timeline = IterationTimeline(
+            iteration=self.iteration,
+            start_ns=now_ns(),
+            bucket_indices=self.bucket_indices,
+            bucket_bytes=[b.nbytes for b in self.buckets],
+        )
+
+    def prepare_for_forward(self) -> None:
+        """Note that a new forward has started (call it on every forward, synced or not).
+
+        Until then, a gradient that arrives for a parameter already reduced in this iteration is
+        an error: it would be silently left out of the average.
+        """
+        self._reduced = False
+
+    def _reset_iteration_state(self) -> None:
+        self._marked = [False] * len(self.params)
+        self._unused = []
+        self._has_marked_unused = True
+        self._reduced = False
+        self._clear_reduction_state()
+
+    def _clear_reduction_state(self) -> None:
+        self._require_finalize = False
+        self._finalize_queued = False
+        self._next_bucket = 0
+        self._used_work: dist.Work | None = None
+        self._used_map: torch.Tensor | None = None
+        if self._find_unused:
+            # Filled by the hooks even outside synchronised steps (no_sync), so a parameter
+            # used only in an earlier micro-step still counts as used when we finally reduce.
+            self._local_used = bytearray(len(self.params))
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _check_prior_reduction_finished(self) -> None:
+        if not self._require_finalize:
+            return
+        missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
+        iteration = self.iteration
+        self._abandon_iteration()
+        raise GradSyncError(
+            unfinished_reduction_message(missing, self.rank, self._find_unused, iteration)
+        )
+
+    def _abandon_iteration(self) -> None:
+        """Drop a broken iteration so the reducer can be used again after the error."""
+        self._expect_hooks = False
+        self._reset_iteration_state()
+
+    # ----------------------------------------------------------------------- hot path
+
+    def _autograd_hook(self, index: int, _param: torch.Tensor) -> None:
+        if self._find_unused:
+            self._local_used[index] = 1
+        if self._expect_hooks:
+            self._mark_ready(index)
+        elif self._reduced and self._marked[index]:
+            raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
+
+    def _mark_ready(self, index: int) -> None:
+        if self._marked[index]:
+            cause = "unused" if index in self._unused else "repeat"
+            raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
+        self._require_finalize = True
+        if not self._has_marked_unused:
+            self._has_marked_unused = True
+            for unused in self._unused:
+                self._mark_one(unused, EventKind.UNUSED)
+        self._mark_one(index, EventKind.READY)
+        if self._next_bucket == len(self.buckets) and not self._finalize_queued:
+            self._finalize_queued = True
+            if self._find_unused:
+                self._start_used_map_reduction()
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def _mark_one(self, index: int, kind: int) -> None:
+        self._marked[index] = True
+        events = self._timeline.events
+        events.append((now_ns(), kind, index))
+        bucket, pos = self._locators[index]
+        self._copy_grad_in(bucket, pos)
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            events.append((now_ns(), EventKind.BUCKET_READY, bucket.index))
+            if bucket.index == self._next_bucket:
+                self._start_ready_buckets()
+
+    def _copy_grad_in(self, bucket: Bucket, pos: int) -> None:
+        param, view = bucket.params[pos], bucket.views[pos]
+        grad = param.grad
+        if grad is None:
+            view.zero_()
+        elif _aliases(grad, view):
+            view.div_(self.world_size)
+        else:
+            if grad.requires_grad:  # backward(create_graph=True): keep `grad` itself intact
+                view.copy_(grad.detach() * self._inv_world)
+            else:
+                torch.mul(grad, self._inv_world, out=view)
+            if self.config.gradient_as_bucket_view:
+                param.grad = view
+
+    def _start_ready_buckets(self) -> None:
+        """Launch, strictly in order, every bucket that is full and not yet launched."""
+        buckets, events = self.buckets, self._timeline.events
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            bucket = buckets[self._next_bucket]
+            events.append((now_ns(), EventKind.LAUNCH, bucket.index))
+            bucket.work = self.process_group.allreduce([bucket.buffer])
+            bucket.work.get_future().add_done_callback(
+                functools.partial(_record_completion, events, bucket.index)
+            )
+            self._next_bucket += 1
+
+    # ------------------------------------------------------------------ end of backward
+
+    def finish_backward(self) -> None:
+        """Wait for every bucket and write the averaged gradients into `.grad`."""
+        timeline = self._timeline
+        timeline.backward_end_ns = now_ns()
+        assert self._next_bucket == len(self.buckets), "finish_backward before every launch"
+        try:
+            with torch.no_grad():
+                used = self._finish_used_map_reduction()
+                for bucket in self.buckets:
+                    self._wait_work(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
+                    self._copy_grads_out(bucket, used)
+        finally:
+            self._expect_hooks = False
+            timeline.finish_ns = now_ns()
+            self.history.append(timeline)
+            self._clear_reduction_state()
+            # Keep `_marked`: a gradient that still arrives for one of them before the next
+            # forward (a second reentrant backward, a second backward()) is reported.
+            self._reduced = True
+
+    def _copy_grads_out(self, bucket: Bucket, used: list[int] | None) -> None:
+        as_view = self.config.gradient_as_bucket_view
+        for pos, param in enumerate(bucket.params):
+            if used is not None and not used[bucket.param_indices[pos]]:
+                continue  # unused on every rank: leave .grad exactly as torch would
+            view, grad = bucket.views[pos], param.grad
+            if as_view:
+                if grad is None or not _aliases(grad, view):
+                    param.grad = view
+            elif grad is None:
+                param.grad = view.clone()
+            else:
+                grad.copy_(view)
+
+    def _start_used_map_reduction(self) -> None:
+        device = self.buckets[0].buffer.device
+        self._used_map = torch.frombuffer(bytearray(self._local_used), dtype=torch.uint8).to(
+            device=device, dtype=torch.int32
+        )
+        self._used_work = self.process_group.allreduce([self._used_map])
+
+    def _finish_used_map_reduction(self) -> list[int] | None:
+        if self._used_work is None or self._used_map is None:
+            return None
+        self._wait_work(self._used_work, "all-reduce of the used-parameter map")
+        return self._used_map.tolist()
+
+    def _wait_work(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
+        assert work is not None, f"{what} was never started"
+        try:
+            work.wait(self.config.timeout)
+        except RuntimeError as error:
+            names = (
+                f" holding {format_names([self.names[i] for i in bucket.param_indices], 5)}"
+                if bucket is not None
+                else ""
+            )
+            raise ReductionTimeoutError(
+                f"gradsync: rank {self.rank}/{self.world_size}, iteration {self.iteration}: "
+                f"{what}{names} did not complete within {self.config.timeout}: {error}\n"
+                "Another rank probably failed, stalled, or skipped this backward pass; check "
+                "its log. If the step is legitimately slow, raise the timeout."
+            ) from error
+
+    # --------------------------------------------------------------------------- misc
+
+    @property
+    def last_timeline(self) -> IterationTimeline | None:
+        return self.history[-1] if self.history else None
+
+    def remove_hooks(self) -> None:
+        """Detach from autograd; the reducer does nothing more after this."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+def _record_completion(events: list, bucket_index: int, _future: torch.futures.Future) -> None:
+    events.append((now_ns(), EventKind.COMPLETE, bucket_index))
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _default_names(params: Sequence[torch.Tensor]) -> list[str]:
+    return [f"parameter[{i}]" for i in range(len(params))]
+
+
+def _check_params(params: list[torch.Tensor], names: list[str]) -> None:
+    if not params:
+        raise ValueError("gradsync.Reducer needs at least one parameter to synchronise")
+    if len(names) != len(params):
+        raise ValueError(f"got {len(names)} parameter names for {len(params)} parameters")
+    frozen = [n for p, n in zip(params, names) if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"parameters that do not require grad cannot be synchronised: {format_names(frozen)}. "
+            "Leave them out of the Reducer (DistributedDataParallel does so automatically), or "
+            "set requires_grad=True on them."
+        )
+    seen: dict[int, str] = {}
+    for p, n in zip(params, names):
+        if id(p) in seen:
+            raise ValueError(
+                f"parameter {n!r} is the same tensor as {seen[id(p)]!r}; pass each shared "
+                "parameter once"
+            )
+        seen[id(p)] = n

@@ -1,0 +1,275 @@
+"""Run code on several ranks at once, for tests and benchmarks, and never hang doing it.
+
+Two tiers:
+
+* `run_threaded(fn, world_size)`: one real gloo process group per rank, each in a thread of this
+  process, over a shared `HashStore`. Collectives are truly asynchronous; a run takes a fraction of
+  a second. The group is a `dist.ProcessGroup` with gloo registered as its CPU backend, the form
+  torch's own DistributedDataParallel accepts, so both can run side by side.
+* `run_processes(fn, world_size)`: real processes (spawn), gloo over a `FileStore`, for what only
+  processes show (signals, killed ranks, process-global state). `run_torchrun(script, ...)` runs a
+  script under torch's launcher on 127.0.0.1.
+
+Each waits with a deadline: a deadlock fails with `RankTimeoutError` instead of hanging, and the
+first rank to raise is re-raised as `RankError` naming its rank.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = [
+    "RankError",
+    "RankTimeoutError",
+    "free_port",
+    "kill_process_tree",
+    "make_gloo_group",
+    "run_processes",
+    "run_threaded",
+    "run_torchrun",
+    "seeded",
+]
+
+
+_RNG_LOCK = threading.Lock()
+
+
+def seeded(factory: Callable[[], Any], seed: int) -> Any:
+    """`factory()` under `torch.manual_seed(seed)`, safe to call from several rank threads.
+
+    Threads share torch's global generator; without the lock two ranks building "the same" model
+    would interleave their draws and get different weights.
+    """
+    with _RNG_LOCK, torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return factory()
+
+
+class RankError(RuntimeError):
+    """A rank raised; `rank` says which, the message carries its traceback."""
+
+    def __init__(self, rank: int, error: str, trace: str = "") -> None:
+        super().__init__(f"rank {rank} raised {error}" + (f"\n\n{trace}" if trace else ""))
+        self.rank = rank
+        self.error = error
+
+
+def _describe_failure(error: BaseException) -> tuple[str, str]:
+    return f"{type(error).__name__}: {error}", traceback.format_exc()
+
+
+class RankTimeoutError(TimeoutError):
+    """Some ranks did not finish in time: a deadlock or a stall."""
+
+
+def make_gloo_group(
+    store: dist.Store, rank: int, world_size: int, timeout: float = 30.0
+) -> dist.ProcessGroup:
+    """A gloo process group over `store` on 127.0.0.1, in the wrapper form torch DDP accepts."""
+    from torch.distributed import ProcessGroupGloo  # type: ignore[attr-defined]
+
+    opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+    opts._timeout = datetime.timedelta(seconds=timeout)
+    opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    gloo = ProcessGroupGloo(store, rank, world_size, opts)
+    group = dist.ProcessGroup(store, rank, world_size)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    return group
+
+
+def run_threaded(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 30.0,
+    **kwargs: Any,
+) -> list[Any]:
+    """Call `fn(rank, group, *args, **kwargs)` on `world_size` threads; return results by rank.
+
+    Collectives in the groups time out after `timeout` seconds too, so a rank blocked in one is
+    released rather than left waiting forever.
+    """
+    if not 1 <= world_size <= 64:
+        raise ValueError(f"world_size={world_size}: expected 1..64")
+    store = dist.HashStore()
+    prefix = f"run_threaded/{time.monotonic_ns()}"
+    outcomes: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
+
+    def body(rank: int) -> None:
+        try:
+            group = make_gloo_group(dist.PrefixStore(prefix, store), rank, world_size, timeout)
+            outcomes.put((rank, True, fn(rank, group, *args, **kwargs)))
+        except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
+            outcomes.put((rank, False, _describe_failure(error)))
+
+    threads = [
+        threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True)
+        for r in range(world_size)
+    ]
+    for t in threads:
+        t.start()
+    return _collect(outcomes, world_size, timeout, "thread")
+
+
+def _collect(outcomes: Any, world_size: int, timeout: float, what: str) -> list[Any]:
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    while len(results) < world_size:
+        left = deadline - time.monotonic()
+        try:
+            rank, ok, value = outcomes.get(timeout=max(left, 0.0))
+        except queue.Empty:
+            missing = sorted(set(range(world_size)) - set(results))
+            raise RankTimeoutError(
+                f"ranks {missing} of {world_size} ({what}s) did not finish within {timeout:.1f}s: "
+                "a deadlock or a stalled collective"
+            ) from None
+        if not ok:
+            raise RankError(rank, *value)
+        results[rank] = value
+    return [results[r] for r in range(world_size)]
+
+
+# ------------------------------------------------------------------------- processes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _process_main(
+    rank: int,
+    world_size: int,
+    store_path: str,
+    timeout: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    outcomes: Any,
+) -> None:
+    try:
+        store = dist.FileStore(store_path, world_size)
+        group = make_gloo_group(store, rank, world_size, timeout)
+        outcomes.put((rank, True, fn(rank, group, *args)))
+    except BaseException as error:  # noqa: BLE001
+        outcomes.put((rank, False, _describe_failure(error)))
+
+
+def run_processes(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0
+) -> list[Any]:
+    """Call `fn(rank, group, *args)` in `world_size` spawned processes; return results by rank.
+
+    `fn` and its results must be picklable. On an error or the deadline every process is killed
+    and reaped before this returns, so nothing is left behind.
+    """
+    ctx = mp.get_context("spawn")
+    outcomes = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="gradsync-store-") as tmp:
+        store_path = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(
+                target=_process_main,
+                args=(r, world_size, store_path, timeout, fn, args, outcomes),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        try:
+            return _collect(outcomes, world_size, timeout, "process")
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+                    p.join(timeout=5)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (the launcher may start workers in new sessions)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL `pid` and everything it started."""
+    for target in [pid, *_descendants(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def run_torchrun(
+    script: str,
+    nproc: int,
+    script_args: Sequence[str] = (),
+    *,
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    launcher_args: Sequence[str] = (),
+) -> subprocess.CompletedProcess[str]:
+    """Run `script` under `python -m torch.distributed.run` on 127.0.0.1 and return its output.
+
+    The launcher runs in its own session; past `timeout` the whole session is killed, so no
+    worker survives, and `RankTimeoutError` carries what it printed.
+    """
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        *launcher_args,
+        script,
+        *script_args,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, **(env or {})},
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_tree(proc.pid)
+        out, _ = proc.communicate(timeout=30)
+        raise RankTimeoutError(f"torchrun {script} did not finish within {timeout}s:\n{out}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
