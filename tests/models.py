@@ -97,3 +97,19 @@ def make_batches(steps: int, world_size: int, per_rank: int = 4, seed: int = 1) 
     """`steps` global batches of `world_size * per_rank` rows; rank r takes rows r*per_rank..."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(world_size * per_rank, 8, generator=g) for _ in range(steps)]
+
+
+class WithBatchNorm(nn.Module):
+    """Buffers (running statistics) that differ per rank until DDP broadcasts them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.bn = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.bn(self.fc(x))))
+
+
+MODELS["batchnorm"] = WithBatchNorm

@@ -4,6 +4,7 @@ parameter's gradient (None kept as None) and, at the end, the parameters."""
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -13,7 +14,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import gradsync
 from gradsync.testing import seeded
 
-__all__ = ["Record", "assert_records_equal", "train_single", "train_reducer", "train_torch_ddp"]
+__all__ = ["Record", "train_wrapper", "assert_records_equal", "train_single", "train_reducer", "train_torch_ddp"]
 
 Record = dict[str, Any]
 
@@ -118,3 +119,42 @@ def assert_records_equal(got: Record, want: Record, *, exact: bool, what: str = 
         torch.testing.assert_close(
             p, want["params"][name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} param {n}: {m}"
         )
+
+
+def train_wrapper(
+    wrapper_cls,
+    rank: int,
+    group,
+    model_name: str,
+    batches: list[torch.Tensor],
+    *,
+    micro_steps: int = 1,
+    accumulate_with: str = "no_sync",
+    set_to_none: bool = True,
+    **ddp_kwargs: Any,
+) -> Record:
+    """A training loop as users write it, for torch's DDP class or gradsync's.
+
+    With `micro_steps > 1` each rank's shard is split into micro-batches whose gradients are
+    accumulated without synchronisation (`no_sync()` or `require_backward_grad_sync = False`),
+    the last one synchronising.
+    """
+    model = _build(model_name)
+    ddp = wrapper_cls(model, process_group=group, **ddp_kwargs)
+    ws = group.size()
+
+    def step(_i: int, batch: torch.Tensor) -> None:
+        micro = _shard(batch, rank, ws).chunk(micro_steps)
+        for j, x in enumerate(micro):
+            last = j == len(micro) - 1
+            if accumulate_with == "no_sync":
+                ctx = contextlib.nullcontext() if last else ddp.no_sync()
+                with ctx:
+                    _loss(ddp(x)).div(len(micro)).backward()
+            else:
+                ddp.require_backward_grad_sync = last
+                _loss(ddp(x)).div(len(micro)).backward()
+
+    record = _run(model, step, batches, set_to_none=set_to_none)
+    record["buffers"] = {n: b.clone() for n, b in model.named_buffers()}
+    return record

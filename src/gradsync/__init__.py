@@ -6,11 +6,13 @@ underneath (bucketed all-reduce overlapped with backward), usable on its own.
 
 from .bucketing import compute_bucket_assignment_by_size
 from .config import ReducerConfig
+from .ddp import DistributedDataParallel
 from .errors import GradSyncError, ReductionTimeoutError
 from .reducer import Reducer
 from .timeline import EventKind, IterationTimeline
 
 __all__ = [
+    "DistributedDataParallel",
     "EventKind",
     "GradSyncError",
     "IterationTimeline",

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .bucket import Bucket
 from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
+from .collectives import broadcast_tensors
 from .config import ReducerConfig
 from .errors import (
     GradSyncError,
@@ -75,6 +76,10 @@ class Reducer:
         self._unused: list[int] = []
         self.iteration = 0
         self._expect_hooks = False
+        # Filled by the hooks even outside synchronised steps (no_sync), and cleared only once a
+        # reduction has used it, so a parameter used only in an earlier micro-step still counts
+        # as used when the gradients are finally reduced.
+        self._local_used = bytearray(len(self.params))
         self._reset_iteration_state()
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
@@ -120,12 +125,10 @@ class Reducer:
 
     def _broadcast_order(self, order: list[int]) -> list[int]:
         n = len(self.params)
-        device = self.buckets[0].buffer.device
-        t = torch.full((n,), -1, dtype=torch.int64, device=device)
+        t = torch.full((n,), -1, dtype=torch.int64, device=self.buckets[0].buffer.device)
         if len(order) == n:
             t.copy_(torch.tensor(order, dtype=torch.int64))
-        work = self.process_group.broadcast([t], dist.BroadcastOptions())
-        self._wait_work(work, "broadcast of the rebuilt bucket order from rank 0")
+        broadcast_tensors(self.process_group, [t], src=0, timeout=self.config.timeout)
         return t.tolist()
 
     # ------------------------------------------------------------------ iteration lifecycle
@@ -174,10 +177,6 @@ class Reducer:
         self._next_bucket = 0
         self._used_work: dist.Work | None = None
         self._used_map: torch.Tensor | None = None
-        if self._find_unused:
-            # Filled by the hooks even outside synchronised steps (no_sync), so a parameter
-            # used only in an earlier micro-step still counts as used when we finally reduce.
-            self._local_used = bytearray(len(self.params))
         for bucket in self.buckets:
             bucket.reset()
 
@@ -279,6 +278,7 @@ class Reducer:
             timeline.finish_ns = now_ns()
             self.history.append(timeline)
             self._clear_reduction_state()
+            self._local_used = bytearray(len(self.params))
             # Keep `_marked`: a gradient that still arrives for one of them before the next
             # forward (a second reentrant backward, a second backward()) is reported.
             self._reduced = True

@@ -1,0 +1,72 @@
+"""The few blocking collectives gradsync needs outside the hot path, each with a timeout.
+
+They take the process group as an argument and use only its own methods, so they work on any
+`dist.ProcessGroup`, registered with torch's default world or not (threaded test groups are not).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .errors import ReductionTimeoutError
+
+__all__ = ["all_gather_objects", "broadcast_tensors", "wait"]
+
+DEFAULT_TIMEOUT = timedelta(minutes=5)
+
+
+def wait(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: timedelta) -> None:
+    """`work.wait(timeout)`, turning a failure into an error that says which collective."""
+    try:
+        work.wait(timeout)
+    except RuntimeError as error:
+        raise ReductionTimeoutError(
+            f"gradsync: rank {group.rank()}/{group.size()}: {what} did not complete within "
+            f"{timeout}: {error}\nAnother rank probably failed or is not running the same code "
+            "path; check its log."
+        ) from error
+
+
+def all_gather_objects(
+    group: dist.ProcessGroup, obj: object, timeout: timedelta = DEFAULT_TIMEOUT
+) -> list[object]:
+    """Every rank's `obj` (picklable), in rank order."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
+    wait(group.allgather([sizes], [size]), "all-gather of object sizes", group, timeout)
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: payload.numel()] = payload
+    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(group.size())]
+    wait(group.allgather([gathered], [padded]), "all-gather of objects", group, timeout)
+    return [
+        pickle.loads(g[: int(s.item())].numpy().tobytes()) for g, s in zip(gathered, sizes)
+    ]
+
+
+def broadcast_tensors(
+    group: dist.ProcessGroup,
+    tensors: Sequence[torch.Tensor],
+    src: int = 0,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Overwrite `tensors` on every rank with rank `src`'s values, one collective per dtype."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_kind.values():
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+            opts = dist.BroadcastOptions()
+            opts.rootRank = src
+            wait(group.broadcast([flat], opts), "broadcast of parameters and buffers", group, timeout)
+            offset = 0
+            for t in group_tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()

@@ -1,0 +1,292 @@
+"""`gradsync.DistributedDataParallel`: torch's wrapper, same constructor and loop, on our Reducer.
+
+Swap `torch.nn.parallel.DistributedDataParallel` for this class and nothing else changes:
+
+    torchrun --nproc-per-node 2 train.py      # train.py: model = gradsync.DistributedDataParallel(model)
+
+Construction checks that every rank holds the same parameters (before any bucket collective
+could hang on a mismatch), broadcasts rank 0's parameters and buffers, and builds the Reducer
+with torch's layout policy: one bucket for the first iteration, rebuilt in gradient-ready order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
+from .bucketing import compute_bucket_assignment_by_size as assign_buckets
+from .collectives import all_gather_objects, broadcast_tensors
+from .config import ReducerConfig
+from .reducer import Reducer
+
+__all__ = ["DistributedDataParallel"]
+
+# Keywords torch accepts that gradsync does not honour yet, with the value that means "off".
+_NOT_YET = {
+    "static_graph": False,
+    "delay_all_reduce_named_params": None,
+    "param_to_hook_all_reduce": None,
+    "mixed_precision": None,
+    "device_mesh": None,
+    "skip_all_reduce_unused_params": False,
+}
+
+
+class DistributedDataParallel(nn.Module):
+    """Data-parallel training of `module`: gradients are averaged across `process_group`."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: list[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool | None = None,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        delay_all_reduce_named_params: Any = None,
+        param_to_hook_all_reduce: Any = None,
+        mixed_precision: Any = None,
+        device_mesh: Any = None,
+        skip_all_reduce_unused_params: bool = False,
+        bucket_cap_mb_list: list[float] | None = None,
+        batched_grad_copy: bool = False,
+        forward_sync_buffers: bool | None = None,
+    ) -> None:
+        super().__init__()
+        _refuse_unsupported(locals())
+        self.module = module
+        self.process_group = process_group if process_group is not None else _default_group()
+        self.device_ids, self.output_device = _resolve_devices(module, device_ids, output_device)
+        self.dim = dim
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        # batched_grad_copy changes only how copies are issued, never the result; accepted.
+        self.batched_grad_copy = batched_grad_copy
+        self.static_graph = static_graph
+        self.forward_sync_buffers, init_buffers = _buffer_policy(broadcast_buffers, forward_sync_buffers)
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._limits = _bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
+        self._named_params = _trainable_parameters(module)
+        self._buffers_to_sync = _buffers(module)
+        if init_sync:
+            self._check_same_parameters_across_ranks()
+            self._broadcast_state(include_buffers=init_buffers)
+        self.reducer = self._build_reducer()
+
+    # --------------------------------------------------------------------- construction
+
+    def _build_reducer(self) -> Reducer:
+        params = [p for _, p in self._named_params]
+        first, cap = self._limits
+        # As torch: without unused-parameter search the first iteration uses one bucket and the
+        # rebuild orders buckets by real arrival; with it, buckets follow reversed definition order.
+        initial = [sys.maxsize] if not self.find_unused_parameters else [first, cap]
+        layout, _ = assign_buckets(params, initial)
+        config = ReducerConfig(
+            find_unused_parameters=self.find_unused_parameters,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            rebuild_bucket_size_limits=(first, cap),
+        )
+        return Reducer(
+            params,
+            list(reversed(layout)),
+            self.process_group,
+            param_names=[n for n, _ in self._named_params],
+            config=config,
+        )
+
+    def _check_same_parameters_across_ranks(self) -> None:
+        mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self._named_params]
+        everyone = all_gather_objects(self.process_group, mine)
+        problem = _first_mismatch(everyone)  # every rank computes the same verdict
+        if problem is not None:
+            raise ValueError(
+                f"gradsync.DistributedDataParallel: ranks hold different parameters. {problem}\n"
+                "Every rank must build the same model (same classes, arguments and requires_grad "
+                "settings) before wrapping it; check for rank-dependent model code or a "
+                "checkpoint loaded on only some ranks."
+            )
+
+    def _broadcast_state(self, include_buffers: bool) -> None:
+        tensors = [p.detach() for _, p in self.module.named_parameters()]
+        if include_buffers:
+            tensors += self._buffers_to_sync
+        if tensors and self.process_group.size() > 1:
+            broadcast_tensors(self.process_group, tensors, src=0)
+
+    # -------------------------------------------------------------------------- forward
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("gradsync.DistributedDataParallel.forward"):
+            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            self.reducer.prepare_for_forward()
+            if self._should_sync_buffers():
+                broadcast_tensors(self.process_group, self._buffers_to_sync, src=0)
+            if self.device_ids:
+                inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
+            output = self.module(*inputs, **kwargs)
+            if sync:
+                self.reducer.prepare_for_backward(output if self.find_unused_parameters else None)
+            self.require_forward_param_sync = sync
+            return output
+
+    def _should_sync_buffers(self) -> bool:
+        return (
+            self.forward_sync_buffers
+            and self.require_forward_param_sync
+            and bool(self._buffers_to_sync)
+            and self.process_group.size() > 1
+        )
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the first backward after the block synchronises them."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    # ------------------------------------------------------------------------- pickling
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.pop("process_group", None)
+        state.pop("reducer", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.process_group = _default_group()
+        self.reducer = self._build_reducer()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _refuse_unsupported(arguments: dict[str, Any]) -> None:
+    for name, off in _NOT_YET.items():
+        if arguments[name] is not off and arguments[name] != off:
+            raise NotImplementedError(
+                f"gradsync.DistributedDataParallel does not support {name}={arguments[name]!r} "
+                f"yet; use torch.nn.parallel.DistributedDataParallel for it, or leave it at "
+                f"{off!r}."
+            )
+
+
+def _default_group() -> dist.ProcessGroup:
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "gradsync.DistributedDataParallel needs a process group: call "
+            "torch.distributed.init_process_group(...) first (torchrun sets up the environment "
+            "for it), or pass process_group=..."
+        )
+    return dist.group.WORLD  # type: ignore[return-value]
+
+
+def _resolve_devices(
+    module: nn.Module, device_ids: list | None, output_device: Any
+) -> tuple[list[torch.device] | None, torch.device | None]:
+    devices = {p.device for p in module.parameters()}
+    if device_ids is None or len(devices) > 1 or devices <= {torch.device("cpu")}:
+        if device_ids:
+            raise ValueError(
+                f"device_ids={device_ids} only applies to a module on a single accelerator; "
+                f"this module's parameters are on {sorted(str(d) for d in devices)}. "
+                "Pass device_ids=None."
+            )
+        return None, None
+    ids = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids]
+    if len(ids) != 1:
+        raise ValueError(f"device_ids={device_ids}: give exactly one device per process")
+    return ids, torch.device(output_device) if output_device is not None else ids[0]
+
+
+def _buffer_policy(broadcast_buffers: bool | None, forward_sync: bool | None) -> tuple[bool, bool]:
+    """(sync buffers at each forward, sync buffers at construction), as torch 2.13 decides."""
+    if forward_sync is not None:
+        return forward_sync, True
+    effective = True if broadcast_buffers is None else broadcast_buffers
+    return effective, effective
+
+
+def _bucket_limits(cap_mb: float | None, cap_mb_list: list[float] | None) -> tuple[int, int]:
+    if cap_mb_list:
+        raise NotImplementedError(
+            "gradsync.DistributedDataParallel does not support bucket_cap_mb_list yet; pass "
+            "bucket_cap_mb instead."
+        )
+    if cap_mb is None:
+        return DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES
+    if cap_mb < 0:
+        raise ValueError(f"bucket_cap_mb={cap_mb} must be >= 0")
+    cap = int(cap_mb * MIB)
+    return cap, cap
+
+
+def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    named = [
+        (n, p)
+        for n, p in module.named_parameters()  # shared parameters are listed once
+        if p.requires_grad and n not in ignored
+    ]
+    if not named:
+        raise RuntimeError(
+            "gradsync.DistributedDataParallel: the module has no parameter that requires a "
+            "gradient, so there is nothing to synchronise. Wrap a module with trainable "
+            "parameters, or train without DistributedDataParallel."
+        )
+    sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True]
+    if sparse:
+        raise NotImplementedError(
+            f"modules with sparse gradients ({', '.join(sparse)}) are not supported by gradsync "
+            "yet; use sparse=False or torch's DistributedDataParallel."
+        )
+    return named
+
+
+def _buffers(module: nn.Module) -> list[torch.Tensor]:
+    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    return [b for n, b in module.named_buffers() if n not in ignored]
+
+
+def _first_mismatch(everyone: list) -> str | None:
+    """Describe the first parameter that differs between ranks, or None if all agree."""
+    counts = [len(params) for params in everyone]
+    for i in range(max(counts)):
+        entries = [params[i] if i < len(params) else None for params in everyone]
+        if any(e != entries[0] for e in entries):
+            per_rank = "; ".join(
+                f"rank {r}: " + ("(none)" if e is None else f"{e[0]!r} shape {list(e[1])} {e[2]}")
+                for r, e in enumerate(entries)
+            )
+            return f"Parameter #{i} differs: {per_rank}. Parameter counts per rank: {counts}."
+    return None
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_move_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_move_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _move_to(v, device) for k, v in obj.items()}
+    return obj

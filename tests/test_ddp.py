@@ -1,0 +1,261 @@
+"""gradsync.DistributedDataParallel against torch's, side by side on the same gloo groups:
+same parameters, gradients (None-ness included) and buffers, for each feature it supports."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import make_batches
+from parity import assert_records_equal, train_single, train_wrapper
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import gradsync
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.testing import RankError, run_threaded, seeded
+
+STEPS = 3
+
+
+def _both(rank, group, model_name, batches, kwargs):
+    ours = train_wrapper(GradsyncDDP, rank, group, model_name, batches, **kwargs)
+    theirs = train_wrapper(TorchDDP, rank, group, model_name, batches, **kwargs)
+    return ours, theirs
+
+
+def _check(model_name, world_size, per_rank=4, **kwargs):
+    batches = make_batches(STEPS, world_size, per_rank=per_rank)
+    results = run_threaded(_both, world_size, model_name, batches, kwargs, timeout=60)
+    for rank, (ours, theirs) in enumerate(results):
+        assert_records_equal(ours, theirs, exact=world_size == 2, what=f"rank {rank}")
+        for name, buf in ours["buffers"].items():
+            torch.testing.assert_close(buf, theirs["buffers"][name], rtol=0, atol=0)
+    return batches, results
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("model_name", ["mlp", "many_small", "tied", "frozen", "conv", "batchnorm"])
+def test_matches_torch_ddp(model_name, world_size):
+    batches, results = _check(model_name, world_size, bucket_cap_mb=0.0005)
+    if model_name != "batchnorm":  # batch statistics make the single-process run differ
+        single = train_single(model_name, batches, world_size)
+        assert_records_equal(results[0][0], single, exact=False, what="vs single process")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_find_unused_parameters_matches_torch(world_size, as_view):
+    _check("unused_branch", world_size, find_unused_parameters=True, gradient_as_bucket_view=as_view)
+
+
+@pytest.mark.parametrize("accumulate_with", ["no_sync", "flag"])
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_gradient_accumulation_matches_torch(accumulate_with, find_unused):
+    model = "unused_branch" if find_unused else "mlp"
+    _check(model, 2, per_rank=6, micro_steps=3, accumulate_with=accumulate_with,
+           find_unused_parameters=find_unused)
+
+
+@pytest.mark.parametrize("set_to_none", [False, True])
+def test_gradient_as_bucket_view_matches_torch_and_grads_are_views(set_to_none):
+    _check("mlp", 2, gradient_as_bucket_view=True, set_to_none=set_to_none, bucket_cap_mb=0.001)
+
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").MLP(), 0)
+        ddp = GradsyncDDP(model, process_group=group, gradient_as_bucket_view=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(3):
+            opt.zero_grad(set_to_none=set_to_none)
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        storages = {b.buffer.untyped_storage().data_ptr() for b in ddp.reducer.buckets}
+        return all(p.grad.untyped_storage().data_ptr() in storages for p in model.parameters())
+
+    assert run_threaded(body, 2) == [True, True]
+
+
+class _Alternating(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(4, 4)
+        self.b = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        return self.b(x) if use_b else self.a(x)
+
+
+def test_parameter_used_only_in_an_earlier_micro_step_is_still_reduced():
+    def body(rank, group, cls):
+        model = seeded(_Alternating, 0)
+        ddp = cls(model, process_group=group, find_unused_parameters=True)
+        x = torch.full((2, 4), float(rank + 1))
+        with ddp.no_sync():
+            ddp(x, use_b=True).sum().backward()  # b used only here
+        ddp(x, use_b=False).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ours = run_threaded(body, 2, GradsyncDDP)
+    theirs = run_threaded(body, 2, TorchDDP)
+    for name in ours[0]:
+        torch.testing.assert_close(ours[0][name], ours[1][name], rtol=0, atol=0)
+        torch.testing.assert_close(ours[0][name], theirs[0][name], rtol=0, atol=0)
+    # b's gradient is the average of the ranks' local gradients, not rank-local.
+    model = seeded(_Alternating, 0)
+    for r in range(2):
+        model(torch.full((2, 4), float(r + 1)), use_b=True).sum().div(2).backward()
+    torch.testing.assert_close(ours[0]["b.weight"], model.b.weight.grad)
+
+
+@dataclasses.dataclass
+class _Output:
+    logits: torch.Tensor
+    extra: dict
+
+
+class _StructuredOutput(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x, *, scale=1.0):
+        y = self.fc(x) * scale
+        return _Output(logits=y, extra={"pair": (y, "tag"), "n": 3})
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_arbitrary_outputs_and_kwargs_pass_through(find_unused):
+    def body(rank, group):
+        model = seeded(_StructuredOutput, 0)
+        ddp = GradsyncDDP(model, process_group=group, find_unused_parameters=find_unused)
+        out = ddp(torch.ones(2, 4), scale=2.0)
+        assert isinstance(out, _Output) and out.extra["pair"][1] == "tag" and out.extra["n"] == 3
+        out.logits.sum().backward()
+        return model.fc.weight.grad.clone()
+
+    g = run_threaded(body, 2)
+    torch.testing.assert_close(g[0], torch.full((2, 4), 4.0))  # scale 2 x batch 2
+
+
+def test_init_broadcasts_rank0_parameters_and_buffers():
+    def body(rank, group):
+        torch.manual_seed(rank)  # deliberately different per rank
+        model = __import__("models").WithBatchNorm()
+        model.bn.running_mean.fill_(rank)
+        GradsyncDDP(model, process_group=group)
+        return model.fc.weight.clone(), model.bn.running_mean.clone()
+
+    (w0, m0), (w1, m1) = run_threaded(body, 2)
+    assert torch.equal(w0, w1) and torch.equal(m0, m1) and m1.eq(0).all()
+
+
+def test_state_dict_has_torch_prefix_and_round_trips():
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").MLP(), 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        ref = TorchDDP(seeded(lambda: __import__("models").MLP(), 0), process_group=group)
+        assert list(ddp.state_dict()) == list(ref.state_dict())
+        assert all(k.startswith("module.") for k in ddp.state_dict())
+        ddp.load_state_dict(ref.state_dict())
+        return True
+
+    assert run_threaded(body, 2) == [True, True]
+
+
+def test_pickles_like_torch_ddp():
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        model = seeded(lambda: __import__("models").MLP(), 0)
+        ddp = GradsyncDDP(model)
+        buf = io.BytesIO()
+        torch.save(ddp, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        assert isinstance(loaded, GradsyncDDP) and loaded.reducer is not ddp.reducer
+        loaded(torch.randn(3, 8)).sum().backward()
+        assert all(p.grad is not None for p in loaded.module.parameters())
+        for a, b in zip(ddp.module.parameters(), loaded.module.parameters()):
+            assert torch.equal(a, b)
+    finally:
+        dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+def test_mismatched_parameters_raise_on_every_rank_naming_the_parameter():
+    def body(rank, group):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3 + rank))
+        try:
+            GradsyncDDP(model, process_group=group)
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    messages = run_threaded(body, 3)
+    for m in messages:
+        assert "Parameter #2 differs" in m
+        assert "rank 0: '1.weight' shape [3, 4]" in m and "rank 2: '1.weight' shape [5, 4]" in m
+
+
+def test_parameter_count_mismatch_is_reported():
+    def body(rank, group):
+        layers = [torch.nn.Linear(4, 4) for _ in range(1 + rank)]
+        try:
+            GradsyncDDP(torch.nn.Sequential(*layers), process_group=group)
+        except ValueError as error:
+            return str(error)
+        return "no error"
+
+    for m in run_threaded(body, 2):
+        assert "rank 0: (none)" in m and "counts per rank: [2, 4]" in m
+
+
+def test_module_without_trainable_parameters_is_refused():
+    def body(rank, group):
+        GradsyncDDP(torch.nn.Linear(2, 2).requires_grad_(False), process_group=group)
+
+    with pytest.raises(RankError, match="RuntimeError.*no parameter that requires a gradient"):
+        run_threaded(body, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,name",
+    [({"static_graph": True}, "static_graph"), ({"mixed_precision": object()}, "mixed_precision"),
+     ({"skip_all_reduce_unused_params": True}, "skip_all_reduce_unused_params"),
+     ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb_list")],
+)
+def test_unsupported_keywords_are_refused_by_name(kwargs, name):
+    def body(rank, group):
+        GradsyncDDP(torch.nn.Linear(2, 2), process_group=group, **kwargs)
+
+    with pytest.raises(RankError, match=f"NotImplementedError.*{name}"):
+        run_threaded(body, 1)
+
+
+def test_constructor_accepts_every_torch_keyword():
+    import inspect
+
+    ours = inspect.signature(GradsyncDDP.__init__).parameters
+    theirs = inspect.signature(TorchDDP.__init__).parameters
+    assert list(ours) == list(theirs)
+    for name, p in theirs.items():
+        assert ours[name].default == p.default, name
+
+
+def test_unused_parameters_without_the_flag_name_them_next_iteration():
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").UnusedBranch(), 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        for _ in range(2):
+            ddp(torch.ones(2, 8)).sum().backward()
+
+    with pytest.raises(RankError, match=r"(?s)spare\.weight, spare\.bias.*find_unused_parameters=True"):
+        run_threaded(body, 2)
+
+
+def test_public_api():
+    assert set(gradsync.__all__) >= {"DistributedDataParallel", "Reducer", "compute_bucket_assignment_by_size"}
