@@ -259,3 +259,42 @@ def test_unused_parameters_without_the_flag_name_them_next_iteration():
 
 def test_public_api():
     assert set(gradsync.__all__) >= {"DistributedDataParallel", "Reducer", "compute_bucket_assignment_by_size"}
+
+
+def test_dropped_wrapper_frees_its_reducer_and_stops_hooking():
+    import gc
+    import weakref
+
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").MLP(), 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        ref = weakref.ref(ddp.reducer)
+        ddp(torch.ones(2, 8)).sum().backward()
+        gc.disable()
+        try:
+            del ddp
+            freed = ref() is None  # no reference cycle keeps it (or its group) alive
+        finally:
+            gc.enable()
+        again = GradsyncDDP(model, process_group=group)  # re-wrapping the same module works
+        again(torch.ones(2, 8)).sum().backward()
+        return freed
+
+    assert run_threaded(body, 2) == [True, True]
+
+
+def test_backward_with_create_graph_averages_first_order_gradients():
+    # torch 2.13's own DDP raises "a leaf Variable that requires grad is being used in an
+    # in-place operation" here on CPU, so the reference is computed directly.
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").MLP(), 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        ddp(torch.full((2, 8), float(rank + 1))).pow(2).sum().backward(create_graph=True)
+        return [p.grad.detach().clone() for p in model.parameters()]
+
+    ours = run_threaded(body, 2)
+    model = seeded(lambda: __import__("models").MLP(), 0)
+    for r in range(2):
+        model(torch.full((2, 8), float(r + 1))).pow(2).sum().div(2).backward()
+    for got, p in zip(ours[0], model.parameters()):
+        torch.testing.assert_close(got, p.grad)

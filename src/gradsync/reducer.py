@@ -19,6 +19,7 @@ actually became ready there (rank 0's order, broadcast, so every rank has the sa
 from __future__ import annotations
 
 import functools
+import weakref
 from collections import deque
 from collections.abc import Sequence
 
@@ -81,10 +82,15 @@ class Reducer:
         # as used when the gradients are finally reduced.
         self._local_used = bytearray(len(self.params))
         self._reset_iteration_state()
+        # The hooks hold the reducer weakly: parameters outlive wrappers (a module can be
+        # wrapped again), and a reducer kept alive by its own hooks would keep its process group
+        # alive until the interpreter tears it down at exit.
+        me = weakref.ref(self)
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(self._autograd_hook, i))
+            p.register_post_accumulate_grad_hook(functools.partial(_dispatch_hook, me, i))
             for i, p in enumerate(self.params)
         ]
+        weakref.finalize(self, _remove_handles, list(self._hook_handles))
 
     # ----------------------------------------------------------------------------- layout
 
@@ -94,10 +100,10 @@ class Reducer:
 
     def _install_buckets(self, layout: list[list[int]]) -> None:
         self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(layout)]
-        self._locators: list[tuple[Bucket, int]] = [None] * len(self.params)  # type: ignore[list-item]
+        self._bucket_of: list[Bucket] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
-            for pos, i in enumerate(bucket.param_indices):
-                self._locators[i] = (bucket, pos)
+            for i in bucket.param_indices:
+                self._bucket_of[i] = bucket
         if self.config.gradient_as_bucket_view:
             self._point_grads_at_buckets()
 
@@ -198,55 +204,70 @@ class Reducer:
     # ----------------------------------------------------------------------- hot path
 
     def _autograd_hook(self, index: int, _param: torch.Tensor) -> None:
+        # Runs once per parameter per backward: plain bookkeeping only. Gradients are copied
+        # into the bucket in one batch when its last one arrives (`_fill`).
         if self._find_unused:
             self._local_used[index] = 1
-        if self._expect_hooks:
-            self._mark_ready(index)
-        elif self._reduced and self._marked[index]:
-            raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
-
-    def _mark_ready(self, index: int) -> None:
+        if not self._expect_hooks:
+            if self._reduced and self._marked[index]:
+                raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
+            return
         if self._marked[index]:
             cause = "unused" if index in self._unused else "repeat"
             raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
         self._require_finalize = True
         if not self._has_marked_unused:
-            self._has_marked_unused = True
-            for unused in self._unused:
-                self._mark_one(unused, EventKind.UNUSED)
-        self._mark_one(index, EventKind.READY)
+            self._mark_unused()
+        self._mark(index, EventKind.READY)
         if self._next_bucket == len(self.buckets) and not self._finalize_queued:
-            self._finalize_queued = True
-            if self._find_unused:
-                self._start_used_map_reduction()
-            torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+            self._queue_finish()
 
-    def _mark_one(self, index: int, kind: int) -> None:
+    def _mark_unused(self) -> None:
+        # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
+        # never followed by backward then leaves no half-done iteration behind.
+        self._has_marked_unused = True
+        for unused in self._unused:
+            self._mark(unused, EventKind.UNUSED)
+
+    def _mark(self, index: int, kind: int) -> None:
         self._marked[index] = True
-        events = self._timeline.events
-        events.append((now_ns(), kind, index))
-        bucket, pos = self._locators[index]
-        self._copy_grad_in(bucket, pos)
+        self._timeline.events.append((now_ns(), kind, index))
+        bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
-            events.append((now_ns(), EventKind.BUCKET_READY, bucket.index))
+            self._timeline.events.append((now_ns(), EventKind.BUCKET_READY, bucket.index))
+            self._fill(bucket)
             if bucket.index == self._next_bucket:
                 self._start_ready_buckets()
 
-    def _copy_grad_in(self, bucket: Bucket, pos: int) -> None:
-        param, view = bucket.params[pos], bucket.views[pos]
-        grad = param.grad
-        if grad is None:
-            view.zero_()
-        elif _aliases(grad, view):
-            view.div_(self.world_size)
+    def _queue_finish(self) -> None:
+        self._finalize_queued = True
+        if self._find_unused:
+            self._start_used_map_reduction()
+        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+
+    def _fill(self, bucket: Bucket) -> None:
+        """Copy the bucket's gradients in, scaled by 1/world (zeros where there is none)."""
+        grads = [p.grad for p in bucket.params]
+        as_view = self.config.gradient_as_bucket_view
+        aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, bucket.views)]
+        plain = not any(aliased) and not any(g is not None and g.requires_grad for g in grads)
+        if plain:  # the common case: two kernels for the whole bucket
+            present = [(v, g) for v, g in zip(bucket.views, grads) if g is not None]
+            if len(present) < len(grads):
+                bucket.buffer.zero_()
+            if present:
+                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+            bucket.buffer.mul_(self._inv_world)
+        elif all(aliased):
+            bucket.buffer.div_(self.world_size)
         else:
-            if grad.requires_grad:  # backward(create_graph=True): keep `grad` itself intact
-                view.copy_(grad.detach() * self._inv_world)
-            else:
-                torch.mul(grad, self._inv_world, out=view)
-            if self.config.gradient_as_bucket_view:
-                param.grad = view
+            for g, v, alias in zip(grads, bucket.views, aliased):
+                _scale_into(g, v, alias, self.world_size, self._inv_world)
+        if as_view:
+            for p, g, v, alias in zip(bucket.params, grads, bucket.views, aliased):
+                if g is not None and not alias:
+                    p.grad = v
 
     def _start_ready_buckets(self) -> None:
         """Launch, strictly in order, every bucket that is full and not yet launched."""
@@ -285,17 +306,21 @@ class Reducer:
 
     def _copy_grads_out(self, bucket: Bucket, used: list[int] | None) -> None:
         as_view = self.config.gradient_as_bucket_view
-        for pos, param in enumerate(bucket.params):
-            if used is not None and not used[bucket.param_indices[pos]]:
+        targets, sources = [], []
+        for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
+            if used is not None and not used[i]:
                 continue  # unused on every rank: leave .grad exactly as torch would
-            view, grad = bucket.views[pos], param.grad
+            grad = param.grad
             if as_view:
                 if grad is None or not _aliases(grad, view):
                     param.grad = view
             elif grad is None:
                 param.grad = view.clone()
             else:
-                grad.copy_(view)
+                targets.append(grad)
+                sources.append(view)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def _start_used_map_reduction(self) -> None:
         device = self.buckets[0].buffer.device
@@ -335,9 +360,32 @@ class Reducer:
 
     def remove_hooks(self) -> None:
         """Detach from autograd; the reducer does nothing more after this."""
-        for handle in self._hook_handles:
-            handle.remove()
+        _remove_handles(self._hook_handles)
         self._hook_handles = []
+
+
+def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:
+    live = reducer()
+    if live is not None:
+        live._autograd_hook(index, param)
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _scale_into(
+    grad: torch.Tensor | None, view: torch.Tensor, aliased: bool, world: int, inv_world: float
+) -> None:
+    if grad is None:
+        view.zero_()
+    elif aliased:
+        view.div_(world)
+    elif grad.requires_grad:  # backward(create_graph=True): leave `grad` itself intact
+        view.copy_(grad.detach() * inv_world)
+    else:
+        torch.mul(grad, inv_world, out=view)
 
 
 def _record_completion(events: list, bucket_index: int, _future: torch.futures.Future) -> None:

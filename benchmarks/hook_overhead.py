@@ -1,0 +1,68 @@
+"""Hook overhead: microseconds per parameter tensor that DDP adds to a step, gradsync vs torch.
+
+A 200-parameter model of tiny layers (so the arithmetic is cheap and the per-parameter work shows),
+one process, a world-size-1 gloo group. Each variant times forward+backward; the DDP overhead per
+parameter is (variant - plain module) / 200. Variants run interleaved; `torch DDP (again)` is a
+second torch DDP instance, the A/A figure that shows the noise.
+
+    .venv/bin/python benchmarks/hook_overhead.py [--rounds 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.bench import interleave, markdown_table, timed
+from gradsync.testing import make_gloo_group
+
+LAYERS = 100  # weight + bias each: 200 parameter tensors
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
+
+
+def step_timer(module: nn.Module, x: torch.Tensor, repeat: int):
+    def run() -> float:
+        def step() -> None:
+            for p in module.parameters():
+                p.grad = None
+            module(x).sum().backward()
+
+        return timed(step, repeat)
+
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--repeat", type=int, default=20, help="steps per variant per round")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    group = make_gloo_group(dist.HashStore(), 0, 1)
+    x = torch.randn(4, 16)
+    variants = {
+        "torch DDP": step_timer(TorchDDP(make_model(), process_group=group), x, args.repeat),
+        "torch DDP (again)": step_timer(TorchDDP(make_model(), process_group=group), x, args.repeat),
+        "gradsync DDP": step_timer(GradsyncDDP(make_model(), process_group=group), x, args.repeat),
+        "plain module": step_timer(make_model(), x, args.repeat),
+    }
+    result = interleave(variants, rounds=args.rounds, warmup=2)
+    print(f"step time, {2 * LAYERS} parameter tensors, world size 1, {args.rounds} rounds:\n")
+    print(markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3))
+    plain = result.median("plain module")
+    print("\nDDP overhead per parameter tensor (median step - plain step) / 200:")
+    for v in ("torch DDP", "torch DDP (again)", "gradsync DDP"):
+        print(f"  {v:18s} {(result.median(v) - plain) / (2 * LAYERS) * 1e6:6.2f} us")
+
+
+if __name__ == "__main__":
+    main()
