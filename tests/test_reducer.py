@@ -285,3 +285,19 @@ def test_rank_that_skips_backward_makes_the_other_time_out_not_hang():
     assert isinstance(info.value, RankError) and info.value.rank == 0
     assert "ReductionTimeoutError" in str(info.value)
     assert ReductionTimeoutError.__name__ in str(info.value)
+
+
+def test_locator_and_flat_buffers_follow_the_layout():
+    def body(rank, group):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 5))
+        params = list(model.parameters())
+        reducer = gradsync.Reducer(params, [[3, 2], [1, 0]], group)
+        assert [reducer.locate(i) for i in range(4)] == [(1, 1), (1, 0), (0, 1), (0, 0)]
+        first = reducer.buckets[0]
+        assert first.buffer.is_contiguous() and first.buffer.numel() == 5 + 10
+        assert first.offsets == [0, 5] and first.lengths == [5, 10]
+        assert first.views[1].shape == (5, 2)
+        assert first.views[1].data_ptr() == first.buffer.data_ptr() + 5 * 4
+        return True
+
+    assert run_threaded(body, 1) == [True]

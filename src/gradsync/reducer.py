@@ -354,6 +354,11 @@ class Reducer:
 
     # --------------------------------------------------------------------------- misc
 
+    def locate(self, index: int) -> tuple[int, int]:
+        """(bucket index, position in that bucket) of parameter `index`."""
+        bucket = self._bucket_of[index]
+        return bucket.index, bucket.param_indices.index(index)
+
     @property
     def last_timeline(self) -> IterationTimeline | None:
         return self.history[-1] if self.history else None

@@ -238,11 +238,13 @@ def run_torchrun(
     nproc: int,
     script_args: Sequence[str] = (),
     *,
+    module: bool = False,
     timeout: float = 120.0,
     env: dict[str, str] | None = None,
     launcher_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
-    """Run `script` under `python -m torch.distributed.run` on 127.0.0.1 and return its output.
+    """Run `script` (a path, or a module name with `module=True`) under torch's launcher on
+    127.0.0.1 and return its combined output.
 
     The launcher runs in its own session; past `timeout` the whole session is killed, so no
     worker survives, and `RankTimeoutError` carries what it printed.
@@ -255,6 +257,7 @@ def run_torchrun(
         "--master-addr=127.0.0.1",
         f"--master-port={free_port()}",
         *launcher_args,
+        *(["-m"] if module else []),
         script,
         *script_args,
     ]
