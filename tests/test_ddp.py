@@ -224,7 +224,7 @@ def test_module_without_trainable_parameters_is_refused():
 
 @pytest.mark.parametrize(
     "kwargs,name",
-    [({"static_graph": True}, "static_graph"), ({"mixed_precision": object()}, "mixed_precision"),
+    [({"mixed_precision": object()}, "mixed_precision"),
      ({"skip_all_reduce_unused_params": True}, "skip_all_reduce_unused_params"),
      ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb_list")],
 )
@@ -298,3 +298,38 @@ def test_backward_with_create_graph_averages_first_order_gradients():
         model(torch.full((2, 8), float(r + 1))).pow(2).sum().div(2).backward()
     for got, p in zip(ours[0], model.parameters()):
         torch.testing.assert_close(got, p.grad)
+
+
+class _CheckpointedShared(torch.nn.Module):
+    """One layer applied twice, each time inside a reentrant checkpoint: its hooks fire twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 8)
+        self.shared = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 4)
+        self.spare = torch.nn.Linear(8, 8)  # never used
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, self.inp(x), use_reentrant=True)
+        h = checkpoint(self.shared, torch.tanh(h), use_reentrant=True)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("model_name", ["mlp", "many_small", "checkpointed"])
+def test_static_graph_matches_torch(model_name, world_size):
+    import models
+
+    models.MODELS.setdefault("checkpointed", _CheckpointedShared)
+    _check(model_name, world_size, static_graph=True)
+
+
+def test_static_graph_with_unused_parameter_and_find_unused_matches_torch():
+    import models
+
+    models.MODELS.setdefault("checkpointed", _CheckpointedShared)
+    _check("checkpointed", 2, static_graph=True, find_unused_parameters=True)
+    _check("unused_branch", 2, static_graph=True)

@@ -22,13 +22,19 @@ class ReducerConfig:
     gradient_as_bucket_view: bool = False
     """Make each `.grad` a view into its bucket's flat buffer, so nothing is copied back."""
 
+    static_graph: bool = False
+    """The set of used parameters and how often each one's hook fires (reentrant activation
+    checkpointing fires a shared parameter's hook more than once) is the same every iteration:
+    learned in the first, relied on afterwards."""
+
     rebuild_bucket_size_limits: tuple[int, ...] | None = (
         DEFAULT_FIRST_BUCKET_BYTES,
         DEFAULT_BUCKET_CAP_BYTES,
     )
     """Byte limits for the one-time rebuild of buckets in the order gradients became ready in the
     first synchronised iteration; None keeps the initial layout for good. The rebuild is skipped
-    with find_unused_parameters, whose ready order may change every iteration (as torch)."""
+    with find_unused_parameters (unless static_graph), whose ready order may change every
+    iteration (as torch)."""
 
     timeout: timedelta = timedelta(minutes=30)
     """How long the end of backward waits for one bucket's reduction before raising."""

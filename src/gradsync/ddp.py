@@ -30,7 +30,6 @@ __all__ = ["DistributedDataParallel"]
 
 # Keywords torch accepts that gradsync does not honour yet, with the value that means "off".
 _NOT_YET = {
-    "static_graph": False,
     "delay_all_reduce_named_params": None,
     "param_to_hook_all_reduce": None,
     "mixed_precision": None,
@@ -94,10 +93,11 @@ class DistributedDataParallel(nn.Module):
         first, cap = self._limits
         # As torch: without unused-parameter search the first iteration uses one bucket and the
         # rebuild orders buckets by real arrival; with it, buckets follow reversed definition order.
-        initial = [sys.maxsize] if not self.find_unused_parameters else [first, cap]
+        initial = [first, cap] if self._searches_unused() else [sys.maxsize]
         layout, _ = assign_buckets(params, initial)
         config = ReducerConfig(
-            find_unused_parameters=self.find_unused_parameters,
+            find_unused_parameters=self._searches_unused(),
+            static_graph=self.static_graph,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             rebuild_bucket_size_limits=(first, cap),
         )
@@ -108,6 +108,10 @@ class DistributedDataParallel(nn.Module):
             param_names=[n for n, _ in self._named_params],
             config=config,
         )
+
+    def _searches_unused(self) -> bool:
+        # A static graph learns its unused parameters once instead of searching every forward.
+        return self.find_unused_parameters and not self.static_graph
 
     def _check_same_parameters_across_ranks(self) -> None:
         mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in self._named_params]
@@ -140,7 +144,8 @@ class DistributedDataParallel(nn.Module):
                 inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
             output = self.module(*inputs, **kwargs)
             if sync:
-                self.reducer.prepare_for_backward(output if self.find_unused_parameters else None)
+                wants_outputs = self.find_unused_parameters or self.static_graph
+                self.reducer.prepare_for_backward(output if wants_outputs else None)
             self.require_forward_param_sync = sync
             return output
 

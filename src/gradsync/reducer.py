@@ -42,6 +42,9 @@ from .unused import find_tensors, reachable_parameters
 
 __all__ = ["Reducer"]
 
+# Gradients at least this large are scaled while copied into their bucket, one call each.
+_FUSED_COPY_MIN_NUMEL = 1 << 15
+
 
 class Reducer:
     """Synchronise the gradients of `params` over `process_group`, one bucket at a time.
@@ -66,11 +69,10 @@ class Reducer:
         self.config = config or ReducerConfig()
         self.rank = process_group.rank()
         self.world_size = process_group.size()
-        self._inv_world = 1.0 / self.world_size
         self._find_unused = self.config.find_unused_parameters
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
-        self._needs_rebuild = (
-            self.config.rebuild_bucket_size_limits is not None and not self._find_unused
+        self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
+            self.config.static_graph or not self._find_unused
         )
         self.history: deque[IterationTimeline] = deque(maxlen=self.config.history)
         self.buckets: list[Bucket]
@@ -81,6 +83,15 @@ class Reducer:
         # reduction has used it, so a parameter used only in an earlier micro-step still counts
         # as used when the gradients are finally reduced.
         self._local_used = bytearray(len(self.params))
+        self._divisor, self._inv_divisor = self.world_size, 1.0 / self.world_size
+        # Static graph: hook firings per parameter, learned in the first iteration.
+        self._static = self.config.static_graph
+        self._hook_counts: list[int] = []
+        self._static_used: list[int] | None = None
+        self._static_unused: list[int] = []
+        self._learning_counts = False
+        self._fires: list[int] = []
+        self._start_hooks: list = []
         self._reset_iteration_state()
         # The hooks hold the reducer weakly: parameters outlive wrappers (a module can be
         # wrapped again), and a reducer kept alive by its own hooks would keep its process group
@@ -139,11 +150,12 @@ class Reducer:
 
     # ------------------------------------------------------------------ iteration lifecycle
 
-    def prepare_for_backward(self, outputs: object = None) -> None:
+    def prepare_for_backward(self, outputs: object = None, divisor: int | None = None) -> None:
         """Start a synchronised iteration; call from forward with its outputs.
 
         With find_unused_parameters, parameters not reachable from `outputs` will be marked
-        ready as soon as backward starts.
+        ready as soon as backward starts. Gradients are averaged over `divisor` ranks (default:
+        the group size; fewer when ranks have joined early and the caller says so).
         """
         self._check_prior_reduction_finished()
         if self._needs_rebuild and self.history:
@@ -151,10 +163,14 @@ class Reducer:
         self.iteration += 1
         self._reset_iteration_state()
         self._expect_hooks = True
+        self._divisor = divisor or self.world_size
+        self._inv_divisor = 1.0 / self._divisor
         if self._find_unused:
             reached = reachable_parameters(find_tensors(outputs))
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
             self._has_marked_unused = not self._unused
+        if self.config.static_graph:
+            self._prepare_static_iteration(outputs)
         self._timeline = IterationTimeline(
             iteration=self.iteration,
             start_ns=now_ns(),
@@ -201,6 +217,56 @@ class Reducer:
         self._expect_hooks = False
         self._reset_iteration_state()
 
+    # ----------------------------------------------------------------------- static graph
+    #
+    # With static_graph the first iteration only watches: it counts how often each parameter's
+    # hook fires (reentrant checkpointing fires a shared parameter's hook more than once) and
+    # reduces everything at the very end of backward. Later iterations mark a parameter ready on
+    # its last firing, and the parameters that never fired are marked ready up front.
+
+    def _prepare_static_iteration(self, outputs: object) -> None:
+        self._fires = [0] * len(self.params)
+        self._learning_counts = not self._hook_counts
+        if not self._learning_counts:
+            self._unused = list(self._static_unused)
+            self._has_marked_unused = not self._unused
+            return
+        # Queue the end-of-iteration work from the outputs' own backward nodes, which run in
+        # the outermost backward; a hook may fire inside a reentrant (nested) one, whose end
+        # would come too early.
+        me = weakref.ref(self)
+        self._start_hooks = [
+            t.grad_fn.register_prehook(functools.partial(_queue_first_static_finish, me))
+            for t in find_tensors(outputs)
+            if t.grad_fn is not None
+        ]
+
+    def _on_first_static_fire(self, index: int) -> None:
+        self._require_finalize = True
+        if self._fires[index] == 1:
+            self._timeline.events.append((now_ns(), EventKind.READY, index))
+        if not self._start_hooks and not self._finalize_queued:  # no outputs seen: best effort
+            self._finalize_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_first_static)
+
+    def _finish_first_static(self) -> None:
+        """End of the first static-graph backward: learn the counts, then reduce everything."""
+        for handle in self._start_hooks:
+            handle.remove()
+        self._start_hooks = []
+        fired = self._timeline.ready_order()
+        self._hook_counts = list(self._fires)
+        self._static_unused = [i for i, n in enumerate(self._fires) if n == 0]
+        self._learning_counts = False
+        self._local_used = bytearray(1 if n else 0 for n in self._fires)
+        self._timeline.events.clear()
+        for index in fired:
+            self._mark(index, EventKind.READY)
+        for index in self._static_unused:
+            self._mark(index, EventKind.UNUSED)
+        self._start_used_map_reduction()
+        self.finish_backward()
+
     # ----------------------------------------------------------------------- hot path
 
     def _autograd_hook(self, index: int, _param: torch.Tensor) -> None:
@@ -212,6 +278,13 @@ class Reducer:
             if self._reduced and self._marked[index]:
                 raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
             return
+        if self._static:  # ready only after its last firing
+            self._fires[index] += 1
+            if self._learning_counts:
+                self._on_first_static_fire(index)
+                return
+            if self._fires[index] < self._hook_counts[index]:
+                return
         if self._marked[index]:
             cause = "unused" if index in self._unused else "repeat"
             raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
@@ -252,22 +325,38 @@ class Reducer:
         as_view = self.config.gradient_as_bucket_view
         aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, bucket.views)]
         plain = not any(aliased) and not any(g is not None and g.requires_grad for g in grads)
-        if plain:  # the common case: two kernels for the whole bucket
-            present = [(v, g) for v, g in zip(bucket.views, grads) if g is not None]
-            if len(present) < len(grads):
-                bucket.buffer.zero_()
-            if present:
-                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
-            bucket.buffer.mul_(self._inv_world)
+        if plain:
+            self._copy_scaled(bucket, grads)
         elif all(aliased):
-            bucket.buffer.div_(self.world_size)
+            bucket.buffer.div_(self._divisor)
         else:
             for g, v, alias in zip(grads, bucket.views, aliased):
-                _scale_into(g, v, alias, self.world_size, self._inv_world)
+                _scale_into(g, v, alias, self._divisor, self._inv_divisor)
         if as_view:
             for p, g, v, alias in zip(bucket.params, grads, bucket.views, aliased):
                 if g is not None and not alias:
                     p.grad = v
+
+    def _copy_scaled(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
+        """views = grads / divisor, in as few passes over memory and kernel calls as we can.
+
+        Large gradients are scaled while copied (one pass each); small ones are copied with one
+        batched call and scaled with another, which beats a call per tensor. Same arithmetic
+        either way: a float multiply by 1/divisor.
+        """
+        inv = self._inv_divisor
+        small_views, small_grads = [], []
+        for view, grad in zip(bucket.views, grads):
+            if grad is None:
+                view.zero_()
+            elif grad.numel() >= _FUSED_COPY_MIN_NUMEL:
+                torch.mul(grad, inv, out=view)
+            else:
+                small_views.append(view)
+                small_grads.append(grad)
+        if small_views:
+            torch._foreach_copy_(small_views, small_grads)
+            torch._foreach_mul_(small_views, inv)
 
     def _start_ready_buckets(self) -> None:
         """Launch, strictly in order, every bucket that is full and not yet launched."""
@@ -291,6 +380,8 @@ class Reducer:
         try:
             with torch.no_grad():
                 used = self._finish_used_map_reduction()
+                if self._static:  # the first iteration's global used map holds for good
+                    used = self._static_used = used if used is not None else self._static_used
                 for bucket in self.buckets:
                     self._wait_work(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
                     self._copy_grads_out(bucket, used)
@@ -367,6 +458,13 @@ class Reducer:
         """Detach from autograd; the reducer does nothing more after this."""
         _remove_handles(self._hook_handles)
         self._hook_handles = []
+
+
+def _queue_first_static_finish(reducer: weakref.ref[Reducer], _grad_outputs: object) -> None:
+    live = reducer()
+    if live is not None and live._learning_counts and not live._finalize_queued:
+        live._finalize_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(live._finish_first_static)
 
 
 def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:
