@@ -19,11 +19,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from .bucketing import compute_bucket_assignment_by_size as assign_buckets
 from .collectives import all_gather_objects, broadcast_tensors
 from .config import ReducerConfig
+from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .reducer import Reducer
 
 __all__ = ["DistributedDataParallel"]
@@ -38,7 +40,7 @@ _NOT_YET = {
 }
 
 
-class DistributedDataParallel(nn.Module):
+class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel training of `module`: gradients are averaged across `process_group`."""
 
     def __init__(
@@ -65,6 +67,7 @@ class DistributedDataParallel(nn.Module):
         forward_sync_buffers: bool | None = None,
     ) -> None:
         super().__init__()
+        Joinable.__init__(self)
         _refuse_unsupported(locals())
         self.module = module
         self.process_group = process_group if process_group is not None else _default_group()
@@ -78,6 +81,7 @@ class DistributedDataParallel(nn.Module):
         self.forward_sync_buffers, init_buffers = _buffer_policy(broadcast_buffers, forward_sync_buffers)
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
         self._limits = _bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
         self._named_params = _trainable_parameters(module)
         self._buffers_to_sync = _buffers(module)
@@ -135,19 +139,31 @@ class DistributedDataParallel(nn.Module):
     # -------------------------------------------------------------------------- forward
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        # The order of collectives here is mirrored by a joined rank's DDPJoinHook.main_hook.
         with torch.autograd.profiler.record_function("gradsync.DistributedDataParallel.forward"):
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
             self.reducer.prepare_for_forward()
-            if self._should_sync_buffers():
-                broadcast_tensors(self.process_group, self._buffers_to_sync, src=0)
+            active = Join.notify_join_context(self)  # None unless inside join()
+            if self._join_config.enable:
+                all_reduce_flag(self.process_group, sync)
+            self._sync_buffers_from_active_rank(is_active=True)
             if self.device_ids:
                 inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
             output = self.module(*inputs, **kwargs)
             if sync:
                 wants_outputs = self.find_unused_parameters or self.static_graph
-                self.reducer.prepare_for_backward(output if wants_outputs else None)
+                self.reducer.prepare_for_backward(
+                    output if wants_outputs else None, divisor=self._divisor(active)
+                )
             self.require_forward_param_sync = sync
             return output
+
+    def _divisor(self, active_ranks: dist.Work | None) -> int | None:
+        """Average over the ranks still training, if join(divide_by_initial_world_size=False)."""
+        if active_ranks is None or self._divide_by_initial_world_size:
+            return None
+        active_ranks.wait()
+        return int(active_ranks.result()[0].item())
 
     def _should_sync_buffers(self) -> bool:
         return (
@@ -156,6 +172,14 @@ class DistributedDataParallel(nn.Module):
             and bool(self._buffers_to_sync)
             and self.process_group.size() > 1
         )
+
+    def _sync_buffers_from_active_rank(self, is_active: bool) -> None:
+        if not self._should_sync_buffers():
+            return
+        src = 0
+        if self._join_config.enable:  # rank 0 may have joined and hold stale buffers
+            src = find_common_rank(self.process_group, self.process_group.rank(), is_active)
+        broadcast_tensors(self.process_group, self._buffers_to_sync, src=src)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -166,6 +190,38 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    # ----------------------------------------------------------------------------- join
+
+    def join(
+        self,
+        divide_by_initial_world_size: bool = True,
+        enable: bool = True,
+        throw_on_early_termination: bool = False,
+    ) -> Join:
+        """A context for training with uneven inputs, as torch's `DistributedDataParallel.join`.
+
+        Ranks that run out of batches keep answering the others' collectives with zeros until
+        all are done; then every rank takes the model of the last rank to finish. With
+        `throw_on_early_termination`, every rank raises as soon as one runs out instead.
+        """
+        return Join(
+            [self],
+            enable,
+            throw_on_early_termination,
+            divide_by_initial_world_size=divide_by_initial_world_size,
+        )
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return next(iter(self.module.parameters())).device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
 
     # ------------------------------------------------------------------------- pickling
 

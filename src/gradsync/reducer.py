@@ -443,6 +443,20 @@ class Reducer:
                 "its log. If the step is legitimately slow, raise the timeout."
             ) from error
 
+    # ------------------------------------------------------------------- joined ranks
+
+    def shadow_iteration(self) -> None:
+        """On a rank that has run out of data, match the collectives of one synchronised
+        iteration of the ranks still training: contribute zeros to every bucket, in order."""
+        if self._needs_rebuild and self.history:
+            self._rebuild_buckets()
+        zeros = [torch.zeros_like(b.buffer) for b in self.buckets]
+        if self._find_unused:
+            zeros.append(torch.zeros(len(self.params), dtype=torch.int32, device=zeros[0].device))
+        for i, tensor in enumerate(zeros):
+            work = self.process_group.allreduce([tensor])
+            self._wait_work(work, f"shadow all-reduce {i} of a joined rank")
+
     # --------------------------------------------------------------------------- misc
 
     def locate(self, index: int) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 import queue
 import signal
 import socket
@@ -164,21 +165,36 @@ def _process_main(
     fn: Callable[..., Any],
     args: tuple,
     outcomes: Any,
+    default_group: bool,
 ) -> None:
     try:
         store = dist.FileStore(store_path, world_size)
-        group = make_gloo_group(store, rank, world_size, timeout)
-        outcomes.put((rank, True, fn(rank, group, *args)))
+        if default_group:
+            dist.init_process_group(
+                "gloo", store=store, rank=rank, world_size=world_size,
+                timeout=datetime.timedelta(seconds=timeout),
+            )
+            group = dist.group.WORLD
+        else:
+            group = make_gloo_group(store, rank, world_size, timeout)
+        # Plain pickle bytes: torch's queue would pass tensors as shared-memory handles, which
+        # die with this process before the parent reads them.
+        outcomes.put((rank, True, pickle.dumps(fn(rank, group, *args))))
     except BaseException as error:  # noqa: BLE001
         outcomes.put((rank, False, _describe_failure(error)))
 
 
 def run_processes(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 60.0
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 60.0,
+    default_group: bool = False,
 ) -> list[Any]:
     """Call `fn(rank, group, *args)` in `world_size` spawned processes; return results by rank.
 
-    `fn` and its results must be picklable. On an error or the deadline every process is killed
+    With `default_group`, the group is torch's default one (`init_process_group`), for code
+    that calls `torch.distributed` functions directly. `fn` and its results must be picklable. On an error or the deadline every process is killed
     and reaped before this returns, so nothing is left behind.
     """
     ctx = mp.get_context("spawn")
@@ -188,7 +204,7 @@ def run_processes(
         procs = [
             ctx.Process(
                 target=_process_main,
-                args=(r, world_size, store_path, timeout, fn, args, outcomes),
+                args=(r, world_size, store_path, timeout, fn, args, outcomes, default_group),
                 daemon=True,
             )
             for r in range(world_size)
@@ -196,7 +212,7 @@ def run_processes(
         for p in procs:
             p.start()
         try:
-            return _collect(outcomes, world_size, timeout, "process")
+            return [pickle.loads(r) for r in _collect(outcomes, world_size, timeout, "process")]
         finally:
             for p in procs:
                 p.join(timeout=5)

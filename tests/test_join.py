@@ -1,0 +1,70 @@
+"""Uneven inputs with `join()`: real processes on torch's default group (Join's own collectives
+use `torch.distributed` functions), gradsync side by side with torch's DDP."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import MODELS
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.testing import run_processes, seeded
+
+
+def _train_uneven(rank, cls, model_name, batches, divide, throw, find_unused):
+    model = seeded(MODELS[model_name], 0)
+    ddp = cls(model, find_unused_parameters=find_unused)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randn(4, 8, generator=g) for _ in range(batches[rank])]
+    try:
+        with ddp.join(divide_by_initial_world_size=divide, throw_on_early_termination=throw):
+            for x in data:
+                opt.zero_grad()
+                ddp(x).pow(2).mean().backward()
+                opt.step()
+    except RuntimeError as error:
+        return "raised: " + str(error)
+    state = {n: t.detach().clone() for n, t in model.state_dict().items()}
+    return state
+
+
+def _both(rank, group, model_name, batches, divide, throw, find_unused):
+    args = (model_name, batches, divide, throw, find_unused)
+    return _train_uneven(rank, GradsyncDDP, *args), _train_uneven(rank, TorchDDP, *args)
+
+
+@pytest.mark.parametrize(
+    "batches,divide,model_name,find_unused",
+    [
+        ((5, 3), True, "mlp", False),
+        ((2, 6), False, "mlp", False),
+        ((5, 3), True, "batchnorm", False),
+        ((4, 6, 2), True, "mlp", False),
+        ((3, 5), True, "unused_branch", True),
+    ],
+)
+def test_uneven_inputs_finish_and_match_torch(batches, divide, model_name, find_unused):
+    results = run_processes(
+        _both, len(batches), model_name, batches, divide, False, find_unused,
+        timeout=120, default_group=True,
+    )
+    exact = len(batches) == 2
+    reference = results[0][0]
+    for rank, (ours, theirs) in enumerate(results):
+        for name, value in ours.items():
+            tol = {"rtol": 0, "atol": 0} if exact else {}
+            torch.testing.assert_close(value, theirs[name], msg=f"rank {rank} {name}", **tol)
+            torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
+
+
+def test_throw_on_early_termination_raises_on_every_rank():
+    results = run_processes(
+        _both, 2, "mlp", (2, 5), True, True, False, timeout=120, default_group=True
+    )
+    for rank, (ours, theirs) in enumerate(results):
+        assert isinstance(ours, str) and ours.startswith("raised"), ours
+        assert isinstance(theirs, str) and theirs.startswith("raised"), theirs
+    assert "exhausted all inputs" in results[0][0]
+    assert "Detected at least one rank that exhausted inputs" in results[1][0]
