@@ -63,7 +63,7 @@ def test_throw_on_early_termination_raises_on_every_rank():
     results = run_processes(
         _both, 2, "mlp", (2, 5), True, True, False, timeout=120, default_group=True
     )
-    for rank, (ours, theirs) in enumerate(results):
+    for ours, theirs in results:
         assert isinstance(ours, str) and ours.startswith("raised"), ours
         assert isinstance(theirs, str) and theirs.startswith("raised"), theirs
     assert "exhausted all inputs" in results[0][0]
