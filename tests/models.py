@@ -113,3 +113,19 @@ class WithBatchNorm(nn.Module):
 
 
 MODELS["batchnorm"] = WithBatchNorm
+
+
+class SparseEmbedding(nn.Module):
+    """An embedding with sparse gradients, fed by indices derived from the float input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 8, sparse=True)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        idx = (x.abs() * 7).long().clamp(max=49)
+        return self.head(self.embed(idx).mean(dim=1))
+
+
+MODELS["sparse_embedding"] = SparseEmbedding

@@ -32,9 +32,13 @@ def _shard(batch: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
 
 
 def _snapshot(module: torch.nn.Module) -> dict[str, torch.Tensor | None]:
-    return {
-        n: None if p.grad is None else p.grad.detach().clone() for n, p in module.named_parameters()
-    }
+    return {n: _grad_copy(p.grad) for n, p in module.named_parameters()}
+
+
+def _grad_copy(grad: torch.Tensor | None) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    return grad.detach().to_dense() if grad.is_sparse else grad.detach().clone()
 
 
 def _run(module, step_fn, batches, set_to_none: bool = True) -> Record:

@@ -333,3 +333,49 @@ def test_static_graph_with_unused_parameter_and_find_unused_matches_torch():
     models.MODELS.setdefault("checkpointed", _CheckpointedShared)
     _check("checkpointed", 2, static_graph=True, find_unused_parameters=True)
     _check("unused_branch", 2, static_graph=True)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_sparse_gradients_match_torch(world_size):
+    _check("sparse_embedding", world_size)
+
+
+def test_sparse_gradient_parameter_gets_a_bucket_of_its_own():
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").SparseEmbedding(), 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=25)
+        for _ in range(2):
+            ddp(torch.rand(4, 8)).sum().backward()
+        return [(b.sparse, b.param_indices) for b in ddp.reducer.buckets]
+
+    layout = run_threaded(body, 2)[0]
+    assert (True, [0]) in layout and all(not s for s, idx in layout if 0 not in idx)
+
+
+def test_excluded_parameters_and_buffers_are_not_synchronised():
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").WithBatchNorm(), 0)
+        with torch.no_grad():
+            model.out.bias.fill_(rank)
+        model.bn.running_mean.fill_(rank)
+        gradsync.exclude_from_sync(model, ["out.bias", "bn.running_mean"])
+        ddp = GradsyncDDP(model, process_group=group)
+        ddp(torch.full((4, 8), float(rank))).mul(rank + 1).sum().backward()
+        return model.out.bias.clone(), model.out.bias.grad.clone(), model.fc.weight.grad.clone()
+
+    (b0, g0, w0), (b1, g1, w1) = run_threaded(body, 2)
+    assert b0.eq(0).all() and b1.eq(1).all()  # not broadcast at construction
+    assert torch.equal(w0, w1)  # synchronised
+    assert g0.eq(4).all() and g1.eq(8).all()  # rank-local: 4 rows x (rank + 1), not averaged
+    with pytest.raises(ValueError, match="not parameters or buffers"):
+        gradsync.exclude_from_sync(torch.nn.Linear(2, 2), ["nope"])
+
+
+def test_torch_spelling_of_exclusion_works():
+    def body(rank, group):
+        model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+        GradsyncDDP._set_params_and_buffers_to_ignore_for_model(model, ["1.weight", "1.bias"])
+        ddp = GradsyncDDP(model, process_group=group)
+        return [n for n in ddp.reducer.names]
+
+    assert run_threaded(body, 1) == [["0.weight", "0.bias"]]

@@ -6,7 +6,7 @@ underneath (bucketed all-reduce overlapped with backward), usable on its own.
 
 from .bucketing import compute_bucket_assignment_by_size
 from .config import ReducerConfig
-from .ddp import DistributedDataParallel
+from .ddp import DistributedDataParallel, exclude_from_sync
 from .errors import GradSyncError, ReductionTimeoutError
 from .reducer import Reducer
 from .timeline import EventKind, IterationTimeline
@@ -20,6 +20,7 @@ __all__ = [
     "ReducerConfig",
     "ReductionTimeoutError",
     "compute_bucket_assignment_by_size",
+    "exclude_from_sync",
 ]
 
 __version__ = "0.1.0"

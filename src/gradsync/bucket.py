@@ -17,17 +17,27 @@ __all__ = ["Bucket"]
 class Bucket:
     """Flat gradient storage for a group of parameters of one dtype on one device."""
 
-    def __init__(self, index: int, param_indices: Sequence[int], params: Sequence[torch.Tensor]):
+    def __init__(
+        self,
+        index: int,
+        param_indices: Sequence[int],
+        params: Sequence[torch.Tensor],
+        sparse: bool = False,
+    ):
         self.index = index
         self.param_indices = list(param_indices)
         self.params = [params[i] for i in self.param_indices]
-        self.lengths = [p.numel() for p in self.params]
+        # A parameter with a sparse gradient has a bucket of its own and no flat buffer: the
+        # sparse gradient itself is reduced, and the result replaces `.grad`.
+        self.sparse = sparse
+        self.sparse_grad: torch.Tensor | None = None
+        self.lengths = [0 if sparse else p.numel() for p in self.params]
         self.offsets = _running_offsets(self.lengths)
         first = self.params[0]
         self.buffer = torch.zeros(sum(self.lengths), dtype=first.dtype, device=first.device)
         self.views = [
             _view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
-        ]
+        ] if not sparse else []
         # Per-iteration state, reset by `reset()`.
         self.pending = len(self.params)
         self.work: torch.distributed.Work | None = None
@@ -39,6 +49,12 @@ class Bucket:
     def reset(self) -> None:
         self.pending = len(self.params)
         self.work = None
+        self.sparse_grad = None
+
+    @property
+    def payload(self) -> torch.Tensor:
+        """The tensor to all-reduce: the flat buffer, or the sparse gradient."""
+        return self.sparse_grad if self.sparse_grad is not None else self.buffer
 
     def __repr__(self) -> str:
         return (

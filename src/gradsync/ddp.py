@@ -28,7 +28,7 @@ from .config import ReducerConfig
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .reducer import Reducer
 
-__all__ = ["DistributedDataParallel"]
+__all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
 # Keywords torch accepts that gradsync does not honour yet, with the value that means "off".
 _NOT_YET = {
@@ -94,11 +94,12 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def _build_reducer(self) -> Reducer:
         params = [p for _, p in self._named_params]
+        sparse = _expects_sparse_gradient(self.module, [n for n, _ in self._named_params])
         first, cap = self._limits
         # As torch: without unused-parameter search the first iteration uses one bucket and the
         # rebuild orders buckets by real arrival; with it, buckets follow reversed definition order.
         initial = [first, cap] if self._searches_unused() else [sys.maxsize]
-        layout, _ = assign_buckets(params, initial)
+        layout, _ = assign_buckets(params, initial, sparse)
         config = ReducerConfig(
             find_unused_parameters=self._searches_unused(),
             static_graph=self.static_graph,
@@ -111,6 +112,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             self.process_group,
             param_names=[n for n, _ in self._named_params],
             config=config,
+            expect_sparse_gradient=sparse,
         )
 
     def _searches_unused(self) -> bool:
@@ -130,7 +132,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             )
 
     def _broadcast_state(self, include_buffers: bool) -> None:
-        tensors = [p.detach() for _, p in self.module.named_parameters()]
+        ignored = _ignored(self.module)
+        tensors = [p.detach() for n, p in self.module.named_parameters() if n not in ignored]
         if include_buffers:
             tensors += self._buffers_to_sync
         if tensors and self.process_group.size() > 1:
@@ -190,6 +193,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    @staticmethod
+    def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
+        """torch's name for `gradsync.exclude_from_sync`, so existing code keeps working."""
+        exclude_from_sync(module, names)
 
     # ----------------------------------------------------------------------------- join
 
@@ -301,7 +309,7 @@ def _bucket_limits(cap_mb: float | None, cap_mb_list: list[float] | None) -> tup
 
 
 def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored = _ignored(module)
     named = [
         (n, p)
         for n, p in module.named_parameters()  # shared parameters are listed once
@@ -313,17 +321,41 @@ def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
             "gradient, so there is nothing to synchronise. Wrap a module with trainable "
             "parameters, or train without DistributedDataParallel."
         )
-    sparse = [n for n, m in module.named_modules() if getattr(m, "sparse", False) is True]
-    if sparse:
-        raise NotImplementedError(
-            f"modules with sparse gradients ({', '.join(sparse)}) are not supported by gradsync "
-            "yet; use sparse=False or torch's DistributedDataParallel."
-        )
     return named
 
 
+def _expects_sparse_gradient(module: nn.Module, names: list[str]) -> list[bool]:
+    """Per parameter: does its module produce a sparse gradient (Embedding(sparse=True))?"""
+    sparse: set[str] = set()
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
+            sparse.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False))
+    return [n in sparse for n in names]
+
+
+def exclude_from_sync(module: nn.Module, names: list[str]) -> None:
+    """Leave these parameters and buffers (by qualified name) out of synchronisation.
+
+    Call before wrapping: excluded parameters keep rank-local gradients and are not broadcast
+    at construction; excluded buffers are never broadcast. Same effect as torch's
+    `DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`.
+    """
+    known = {n for n, _ in module.named_parameters()} | {n for n, _ in module.named_buffers()}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(
+            f"exclude_from_sync: {unknown} are not parameters or buffers of this module; "
+            f"valid names include {sorted(known)[:10]}"
+        )
+    module._ddp_params_and_buffers_to_ignore = list(names)  # type: ignore[assignment]
+
+
+def _ignored(module: nn.Module) -> set[str]:
+    return set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
 def _buffers(module: nn.Module) -> list[torch.Tensor]:
-    ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+    ignored = _ignored(module)
     return [b for n, b in module.named_buffers() if n not in ignored]
 
 

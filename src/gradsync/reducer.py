@@ -61,8 +61,10 @@ class Reducer:
         *,
         param_names: Sequence[str] | None = None,
         config: ReducerConfig | None = None,
+        expect_sparse_gradient: Sequence[bool] | None = None,
     ) -> None:
         self.params = list(params)
+        self.expect_sparse_gradient = list(expect_sparse_gradient or [False] * len(self.params))
         self.names = list(param_names) if param_names is not None else _default_names(self.params)
         _check_params(self.params, self.names)
         self.process_group = process_group
@@ -110,13 +112,31 @@ class Reducer:
         return [list(b.param_indices) for b in self.buckets]
 
     def _install_buckets(self, layout: list[list[int]]) -> None:
-        self.buckets = [Bucket(b, indices, self.params) for b, indices in enumerate(layout)]
+        self._check_sparse_buckets(layout)
+        self.buckets = [
+            Bucket(b, indices, self.params, sparse=self.expect_sparse_gradient[indices[0]])
+            for b, indices in enumerate(layout)
+        ]
         self._bucket_of: list[Bucket] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for i in bucket.param_indices:
                 self._bucket_of[i] = bucket
         if self.config.gradient_as_bucket_view:
             self._point_grads_at_buckets()
+
+    def _check_sparse_buckets(self, layout: list[list[int]]) -> None:
+        if len(self.expect_sparse_gradient) != len(self.params):
+            raise ValueError(
+                f"expect_sparse_gradient has {len(self.expect_sparse_gradient)} flags for "
+                f"{len(self.params)} parameters"
+            )
+        for b, indices in enumerate(layout):
+            if len(indices) > 1 and any(self.expect_sparse_gradient[i] for i in indices):
+                raise ValueError(
+                    f"bucket {b} puts a parameter with a sparse gradient "
+                    f"({format_names([self.names[i] for i in indices])}) with others; a sparse "
+                    "gradient is reduced on its own, so give it a bucket of its own"
+                )
 
     def _point_grads_at_buckets(self) -> None:
         """Move existing gradients into the (new) buckets, so `.grad` stays a bucket view."""
@@ -136,7 +156,7 @@ class Reducer:
             return  # rank 0 did not see every gradient; every rank skips alike
         limits = list(self.config.rebuild_bucket_size_limits or ())
         layout, _ = compute_bucket_assignment_by_size(
-            [self.params[i] for i in order], limits, tensor_indices=order
+            [self.params[i] for i in order], limits, self.expect_sparse_gradient, order
         )
         self._install_buckets(layout)
 
@@ -321,6 +341,9 @@ class Reducer:
 
     def _fill(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients in, scaled by 1/world (zeros where there is none)."""
+        if bucket.sparse:
+            self._fill_sparse(bucket)
+            return
         grads = [p.grad for p in bucket.params]
         as_view = self.config.gradient_as_bucket_view
         aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, bucket.views)]
@@ -336,6 +359,19 @@ class Reducer:
             for p, g, v, alias in zip(bucket.params, grads, bucket.views, aliased):
                 if g is not None and not alias:
                     p.grad = v
+
+    def _fill_sparse(self, bucket: Bucket) -> None:
+        param = bucket.params[0]
+        grad = param.grad
+        if grad is None or not grad.is_sparse:
+            kind = "no gradient" if grad is None else "a dense gradient"
+            raise GradSyncError(
+                f"gradsync: parameter {self.names[bucket.param_indices[0]]!r} was declared to "
+                f"get a sparse gradient but has {kind} in iteration {self.iteration} on rank "
+                f"{self.rank}. Build its module with sparse=True on every rank and use it in "
+                "every iteration, or declare it dense."
+            )
+        bucket.sparse_grad = grad.coalesce() * self._inv_divisor
 
     def _copy_scaled(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
         """views = grads / divisor, in as few passes over memory and kernel calls as we can.
@@ -364,7 +400,7 @@ class Reducer:
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             bucket = buckets[self._next_bucket]
             events.append((now_ns(), EventKind.LAUNCH, bucket.index))
-            bucket.work = self.process_group.allreduce([bucket.buffer])
+            bucket.work = self.process_group.allreduce([bucket.payload])
             bucket.work.get_future().add_done_callback(
                 functools.partial(_record_completion, events, bucket.index)
             )
@@ -396,6 +432,10 @@ class Reducer:
             self._reduced = True
 
     def _copy_grads_out(self, bucket: Bucket, used: list[int] | None) -> None:
+        if bucket.sparse:
+            assert bucket.work is not None
+            bucket.params[0].grad = bucket.work.result()[0]
+            return
         as_view = self.config.gradient_as_bucket_view
         targets, sources = [], []
         for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
