@@ -379,3 +379,42 @@ def test_torch_spelling_of_exclusion_works():
         return [n for n in ddp.reducer.names]
 
     assert run_threaded(body, 1) == [["0.weight", "0.bias"]]
+
+
+@pytest.mark.parametrize("all_delayed", [False, True])
+def test_delayed_all_reduce_averages_the_named_parameters(all_delayed):
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").MLP(), 0)
+        names = ["net.2.weight", "net.2.bias"] if not all_delayed else [n for n, _ in model.named_parameters()]
+        named = [(n, p) for n, p in model.named_parameters() if n in names]
+        ddp = GradsyncDDP(
+            model, process_group=group, delay_all_reduce_named_params=named,
+            param_to_hook_all_reduce=model.net[0].weight,  # its gradient comes last
+        )
+        if not all_delayed:
+            assert "net.2.weight" not in ddp.reducer.names
+        else:
+            assert ddp.reducer is None
+        x = torch.full((2, 8), float(rank + 1))
+        with ddp.no_sync():
+            ddp(x).pow(2).sum().backward()  # accumulated locally first
+        ddp(x).pow(2).sum().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    ours = run_threaded(body, 2)
+    model = seeded(lambda: __import__("models").MLP(), 0)
+    for r in range(2):
+        for _ in range(2):
+            model(torch.full((2, 8), float(r + 1))).pow(2).sum().div(2).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(ours[0][name], p.grad, msg=name)
+        torch.testing.assert_close(ours[1][name], p.grad, msg=name)
+
+
+def test_delayed_all_reduce_arguments_go_together():
+    def body(rank, group):
+        model = torch.nn.Linear(2, 2)
+        GradsyncDDP(model, process_group=group, delay_all_reduce_named_params=[("weight", model.weight)])
+
+    with pytest.raises(RankError, match="go together"):
+        run_threaded(body, 1)

@@ -25,6 +25,7 @@ from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from .bucketing import compute_bucket_assignment_by_size as assign_buckets
 from .collectives import all_gather_objects, broadcast_tensors
 from .config import ReducerConfig
+from .delayed import DelayedAllReduce
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .reducer import Reducer
 
@@ -32,8 +33,6 @@ __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
 # Keywords torch accepts that gradsync does not honour yet, with the value that means "off".
 _NOT_YET = {
-    "delay_all_reduce_named_params": None,
-    "param_to_hook_all_reduce": None,
     "mixed_precision": None,
     "device_mesh": None,
     "skip_all_reduce_unused_params": False,
@@ -83,12 +82,17 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self._limits = _bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
-        self._named_params = _trainable_parameters(module)
+        self._delay_args = (delay_all_reduce_named_params, param_to_hook_all_reduce)
+        self._delayed = DelayedAllReduce.from_arguments(module, *self._delay_args, self.process_group)
+        delayed_names = {n for n, _ in delay_all_reduce_named_params or ()}
+        self._named_params = _trainable_parameters(module, delayed_names, self._delayed is not None)
         self._buffers_to_sync = _buffers(module)
         if init_sync:
             self._check_same_parameters_across_ranks()
             self._broadcast_state(include_buffers=init_buffers)
-        self.reducer = self._build_reducer()
+            if self._delayed is not None:
+                self._delayed.broadcast_from_rank0()
+        self.reducer = self._build_reducer() if self._named_params else None
 
     # --------------------------------------------------------------------- construction
 
@@ -145,7 +149,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         # The order of collectives here is mirrored by a joined rank's DDPJoinHook.main_hook.
         with torch.autograd.profiler.record_function("gradsync.DistributedDataParallel.forward"):
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            self.reducer.prepare_for_forward()
+            if self.reducer is not None:
+                self.reducer.prepare_for_forward()
+            if self._delayed is not None:
+                self._delayed.enabled = sync
             active = Join.notify_join_context(self)  # None unless inside join()
             if self._join_config.enable:
                 all_reduce_flag(self.process_group, sync)
@@ -153,7 +160,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.device_ids:
                 inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
             output = self.module(*inputs, **kwargs)
-            if sync:
+            if sync and self.reducer is not None:
                 wants_outputs = self.find_unused_parameters or self.static_graph
                 self.reducer.prepare_for_backward(
                     output if wants_outputs else None, divisor=self._divisor(active)
@@ -221,6 +228,11 @@ class DistributedDataParallel(nn.Module, Joinable):
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self._delayed is not None or self.reducer is None:
+            raise NotImplementedError(
+                "gradsync: join() does not support delay_all_reduce_named_params yet (a joined "
+                "rank cannot know where in backward the delayed all-reduce falls)"
+            )
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property
@@ -237,12 +249,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         state = self.__dict__.copy()
         state.pop("process_group", None)
         state.pop("reducer", None)
+        state.pop("_delayed", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.process_group = _default_group()
-        self.reducer = self._build_reducer()
+        self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args, self.process_group)
+        self.reducer = self._build_reducer() if self._named_params else None
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -308,14 +322,16 @@ def _bucket_limits(cap_mb: float | None, cap_mb_list: list[float] | None) -> tup
     return cap, cap
 
 
-def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    ignored = _ignored(module)
+def _trainable_parameters(
+    module: nn.Module, delayed: set[str], has_delayed: bool
+) -> list[tuple[str, nn.Parameter]]:
+    ignored = _ignored(module) | delayed
     named = [
         (n, p)
         for n, p in module.named_parameters()  # shared parameters are listed once
         if p.requires_grad and n not in ignored
     ]
-    if not named:
+    if not named and not has_delayed:
         raise RuntimeError(
             "gradsync.DistributedDataParallel: the module has no parameter that requires a "
             "gradient, so there is nothing to synchronise. Wrap a module with trainable "

@@ -58,7 +58,7 @@ class DDPJoinHook(JoinHook):
         should_sync = flag.item() > 0
         ddp._sync_buffers_from_active_rank(is_active=False)
         ddp.require_forward_param_sync = should_sync
-        if should_sync:
+        if should_sync and ddp.reducer is not None:
             ddp.reducer.shadow_iteration()
 
     def post_hook(self, is_last_joiner: bool) -> None:
