@@ -224,8 +224,7 @@ def test_module_without_trainable_parameters_is_refused():
 
 @pytest.mark.parametrize(
     "kwargs,name",
-    [({"mixed_precision": object()}, "mixed_precision"),
-     ({"skip_all_reduce_unused_params": True}, "skip_all_reduce_unused_params"),
+    [({"skip_all_reduce_unused_params": True}, "skip_all_reduce_unused_params"),
      ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb_list")],
 )
 def test_unsupported_keywords_are_refused_by_name(kwargs, name):
@@ -418,3 +417,56 @@ def test_delayed_all_reduce_arguments_go_together():
 
     with pytest.raises(RankError, match="go together"):
         run_threaded(body, 1)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("micro_steps", [1, 2])
+def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(reduce_dtype, micro_steps):
+    # torch 2.13's own DDP mixed precision needs accelerator events ("cpu backend doesn't
+    # support events"), so the reference is computed directly.
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    config = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                             buffer_dtype=torch.bfloat16)
+
+    def data(rank, j):
+        return torch.linspace(-1, 1, 16).view(2, 8) * (rank + 1) + j
+
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").WithBatchNorm(), 0)
+        ddp = GradsyncDDP(model, process_group=group, mixed_precision=config)
+        assert model.bn.running_mean.dtype == torch.bfloat16
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for j in range(micro_steps):
+            ctx = ddp.no_sync() if j < micro_steps - 1 else contextlib.nullcontext()
+            with ctx:
+                ddp(data(rank, j)).float().pow(2).mean().backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+        assert all(g.dtype == torch.float32 for g in grads.values())
+        opt.step()
+        return grads
+
+    import contextlib
+
+    ours = run_threaded(body, 2)
+    # Reference: each rank's bf16 gradients, accumulated in float32 over the no_sync steps; the
+    # synchronised step's backward adds its own in bf16 (autograd accumulates in the parameter's
+    # dtype); then cast to the reduce dtype, divided by 2, summed.
+    per_rank = []
+    for rank in range(2):
+        model = seeded(lambda: __import__("models").WithBatchNorm(), 0)
+        model.bn.to(torch.bfloat16)
+        acc = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+        low = seeded(lambda: __import__("models").WithBatchNorm(), 0).to(torch.bfloat16)
+        for j in range(micro_steps):
+            low.zero_grad()
+            low(data(rank, j).to(torch.bfloat16)).float().pow(2).mean().backward()
+            for n, p in low.named_parameters():
+                last = j == micro_steps - 1
+                acc[n] = (acc[n].to(torch.bfloat16) + p.grad).float() if last else acc[n] + p.grad.float()
+        per_rank.append(acc)
+    for name in ours[0]:
+        want = sum((r[name].to(reduce_dtype) * 0.5).to(reduce_dtype) for r in per_rank).float()
+        torch.testing.assert_close(ours[0][name], want, msg=name, rtol=0, atol=0)
+        torch.testing.assert_close(ours[0][name], ours[1][name], rtol=0, atol=0)

@@ -23,6 +23,7 @@ class Bucket:
         param_indices: Sequence[int],
         params: Sequence[torch.Tensor],
         sparse: bool = False,
+        dtype: torch.dtype | None = None,
     ):
         self.index = index
         self.param_indices = list(param_indices)
@@ -31,16 +32,24 @@ class Bucket:
         # sparse gradient itself is reduced, and the result replaces `.grad`.
         self.sparse = sparse
         self.sparse_grad: torch.Tensor | None = None
+        # What is all-reduced when it is not the buffer itself (sparse gradient, or the buffer
+        # cast to a separate reduce dtype); the reduced values are read back from it.
+        self.payload: torch.Tensor = torch.empty(0)
         self.lengths = [0 if sparse else p.numel() for p in self.params]
         self.offsets = _running_offsets(self.lengths)
         first = self.params[0]
-        self.buffer = torch.zeros(sum(self.lengths), dtype=first.dtype, device=first.device)
+        # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
+        # the low-precision compute dtype.
+        self.buffer = torch.zeros(
+            sum(self.lengths), dtype=dtype or first.dtype, device=first.device
+        )
         self.views = [
             _view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
         ] if not sparse else []
         # Per-iteration state, reset by `reset()`.
         self.pending = len(self.params)
         self.work: torch.distributed.Work | None = None
+        self.payload = self.buffer
 
     @property
     def nbytes(self) -> int:
@@ -50,11 +59,7 @@ class Bucket:
         self.pending = len(self.params)
         self.work = None
         self.sparse_grad = None
-
-    @property
-    def payload(self) -> torch.Tensor:
-        """The tensor to all-reduce: the flat buffer, or the sparse gradient."""
-        return self.sparse_grad if self.sparse_grad is not None else self.buffer
+        self.payload = self.buffer
 
     def __repr__(self) -> str:
         return (

@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from datetime import timedelta
 
+import torch
+
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
 __all__ = ["ReducerConfig"]
@@ -35,6 +37,14 @@ class ReducerConfig:
     first synchronised iteration; None keeps the initial layout for good. The rebuild is skipped
     with find_unused_parameters (unless static_graph), whose ready order may change every
     iteration (as torch)."""
+
+    bucket_dtype: torch.dtype | None = None
+    """dtype of the flat buckets when it is not the parameters' own: under mixed precision the
+    gradients arrive in the low-precision compute dtype."""
+
+    reduce_dtype: torch.dtype | None = None
+    """dtype in which buckets are summed across ranks (default: the bucket's own). Gradients are
+    cast to it and divided by the world size in it, before the sum, so nothing overflows."""
 
     timeout: timedelta = timedelta(minutes=30)
     """How long the end of backward waits for one bucket's reduction before raising."""

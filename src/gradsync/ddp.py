@@ -27,13 +27,13 @@ from .collectives import all_gather_objects, broadcast_tensors
 from .config import ReducerConfig
 from .delayed import DelayedAllReduce
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
+from .mixed import MixedPrecisionParams
 from .reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
 # Keywords torch accepts that gradsync does not honour yet, with the value that means "off".
 _NOT_YET = {
-    "mixed_precision": None,
     "device_mesh": None,
     "skip_all_reduce_unused_params": False,
 }
@@ -86,6 +86,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._delayed = DelayedAllReduce.from_arguments(module, *self._delay_args, self.process_group)
         delayed_names = {n for n, _ in delay_all_reduce_named_params or ()}
         self._named_params = _trainable_parameters(module, delayed_names, self._delayed is not None)
+        self._mixed = _mixed_precision(module, mixed_precision, gradient_as_bucket_view)
         self._buffers_to_sync = _buffers(module)
         if init_sync:
             self._check_same_parameters_across_ranks()
@@ -107,6 +108,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         config = ReducerConfig(
             find_unused_parameters=self._searches_unused(),
             static_graph=self.static_graph,
+            bucket_dtype=self._mixed.param_dtype if self._mixed else None,
+            reduce_dtype=self._mixed.reduce_dtype if self._mixed else None,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             rebuild_bucket_size_limits=(first, cap),
         )
@@ -159,7 +162,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             self._sync_buffers_from_active_rank(is_active=True)
             if self.device_ids:
                 inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
+            if self._mixed is not None:
+                self._mixed.cast_down(sync)
+                inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
             output = self.module(*inputs, **kwargs)
+            if self._mixed is not None:  # queued first: full precision is back before write-back
+                self._mixed.restore_after_backward(output)
             if sync and self.reducer is not None:
                 wants_outputs = self.find_unused_parameters or self.static_graph
                 self.reducer.prepare_for_backward(
@@ -364,6 +372,19 @@ def exclude_from_sync(module: nn.Module, names: list[str]) -> None:
             f"valid names include {sorted(known)[:10]}"
         )
     module._ddp_params_and_buffers_to_ignore = list(names)  # type: ignore[assignment]
+
+
+def _mixed_precision(
+    module: nn.Module, config: Any, as_view: bool
+) -> MixedPrecisionParams | None:
+    if config is None:
+        return None
+    if as_view:
+        raise NotImplementedError(
+            "gradsync: mixed_precision with gradient_as_bucket_view=True is not supported (the "
+            "bucket holds low-precision gradients while .grad is float32); drop one of them"
+        )
+    return MixedPrecisionParams(module, config, _ignored(module))
 
 
 def _ignored(module: nn.Module) -> set[str]:

@@ -72,6 +72,10 @@ class Reducer:
         self.rank = process_group.rank()
         self.world_size = process_group.size()
         self._find_unused = self.config.find_unused_parameters
+        reduce_dtype = self.config.reduce_dtype
+        self._scale_at_launch = reduce_dtype is not None and reduce_dtype != (
+            self.config.bucket_dtype or self.params[0].dtype
+        )
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
             self.config.static_graph or not self._find_unused
@@ -114,7 +118,13 @@ class Reducer:
     def _install_buckets(self, layout: list[list[int]]) -> None:
         self._check_sparse_buckets(layout)
         self.buckets = [
-            Bucket(b, indices, self.params, sparse=self.expect_sparse_gradient[indices[0]])
+            Bucket(
+                b,
+                indices,
+                self.params,
+                sparse=self.expect_sparse_gradient[indices[0]],
+                dtype=self.config.bucket_dtype,
+            )
             for b, indices in enumerate(layout)
         ]
         self._bucket_of: list[Bucket] = [None] * len(self.params)  # type: ignore[list-item]
@@ -374,6 +384,22 @@ class Reducer:
         bucket.sparse_grad = grad.coalesce() * self._inv_divisor
 
     def _copy_scaled(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
+        if self._scale_at_launch:  # scaled in the reduce dtype instead, see `_payload`
+            bucket.buffer.zero_()
+            present = [(v, g) for v, g in zip(bucket.views, grads) if g is not None]
+            if present:
+                torch._foreach_copy_([v for v, _ in present], [g for _, g in present])
+            return
+        self._copy_scaled_now(bucket, grads)
+
+    def _payload(self, bucket: Bucket) -> torch.Tensor:
+        if bucket.sparse_grad is not None:
+            return bucket.sparse_grad
+        if self._scale_at_launch:
+            return bucket.buffer.to(self.config.reduce_dtype).mul_(self._inv_divisor)
+        return bucket.buffer
+
+    def _copy_scaled_now(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
         """views = grads / divisor, in as few passes over memory and kernel calls as we can.
 
         Large gradients are scaled while copied (one pass each); small ones are copied with one
@@ -400,6 +426,7 @@ class Reducer:
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             bucket = buckets[self._next_bucket]
             events.append((now_ns(), EventKind.LAUNCH, bucket.index))
+            bucket.payload = self._payload(bucket)
             bucket.work = self.process_group.allreduce([bucket.payload])
             bucket.work.get_future().add_done_callback(
                 functools.partial(_record_completion, events, bucket.index)
@@ -436,6 +463,9 @@ class Reducer:
             assert bucket.work is not None
             bucket.params[0].grad = bucket.work.result()[0]
             return
+        if bucket.payload is not bucket.buffer:
+            self._copy_payload_out(bucket, used)
+            return
         as_view = self.config.gradient_as_bucket_view
         targets, sources = [], []
         for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
@@ -446,12 +476,25 @@ class Reducer:
                 if grad is None or not _aliases(grad, view):
                     param.grad = view
             elif grad is None:
-                param.grad = view.clone()
+                param.grad = view.to(param.dtype, copy=True)
             else:
                 targets.append(grad)
                 sources.append(view)
         if targets:
             torch._foreach_copy_(targets, sources)
+
+    def _copy_payload_out(self, bucket: Bucket, used: list[int] | None) -> None:
+        """Write back from a payload of another dtype (mixed precision): cast per gradient."""
+        for i, param, offset, length in zip(
+            bucket.param_indices, bucket.params, bucket.offsets, bucket.lengths
+        ):
+            if used is not None and not used[i]:
+                continue
+            value = bucket.payload.narrow(0, offset, length).view(param.shape)
+            if param.grad is None or param.grad.dtype != param.dtype:
+                param.grad = value.to(param.dtype, copy=True)
+            else:
+                param.grad.copy_(value)
 
     def _start_used_map_reduction(self) -> None:
         device = self.buckets[0].buffer.device
