@@ -222,17 +222,13 @@ def test_module_without_trainable_parameters_is_refused():
         run_threaded(body, 1)
 
 
-@pytest.mark.parametrize(
-    "kwargs,name",
-    [({"skip_all_reduce_unused_params": True}, "skip_all_reduce_unused_params"),
-     ({"bucket_cap_mb_list": [1, 2]}, "bucket_cap_mb_list")],
-)
-def test_unsupported_keywords_are_refused_by_name(kwargs, name):
-    def body(rank, group):
-        GradsyncDDP(torch.nn.Linear(2, 2), process_group=group, **kwargs)
+@pytest.mark.parametrize("caps", [[0.0005, 0.001], [0.002]])
+def test_bucket_cap_mb_list_matches_torch(caps):
+    _check("many_small", 2, bucket_cap_mb_list=caps)
 
-    with pytest.raises(RankError, match=f"NotImplementedError.*{name}"):
-        run_threaded(body, 1)
+
+def test_skip_all_reduce_unused_params_matches_torch():
+    _check("unused_branch", 2, find_unused_parameters=True, skip_all_reduce_unused_params=True)
 
 
 def test_constructor_accepts_every_torch_keyword():

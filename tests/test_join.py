@@ -68,3 +68,23 @@ def test_throw_on_early_termination_raises_on_every_rank():
         assert isinstance(theirs, str) and theirs.startswith("raised"), theirs
     assert "exhausted all inputs" in results[0][0]
     assert "Detected at least one rank that exhausted inputs" in results[1][0]
+
+
+def _mesh_body(rank, group):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = seeded(MODELS["mlp"], 0)
+    ddp = GradsyncDDP(model, device_mesh=mesh)
+    ddp(torch.full((2, 8), float(rank))).sum().backward()
+    try:
+        GradsyncDDP(seeded(MODELS["mlp"], 0), device_mesh=mesh, process_group=group)
+    except RuntimeError as error:
+        both = str(error)
+    return model.net[0].weight.grad.clone(), both
+
+
+def test_device_mesh_selects_the_group():
+    (g0, m0), (g1, _) = run_processes(_mesh_body, 2, timeout=120, default_group=True)
+    assert torch.equal(g0, g1)
+    assert "either process_group or device_mesh" in m0

@@ -32,13 +32,6 @@ from .reducer import Reducer
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
-# Keywords torch accepts that gradsync does not honour yet, with the value that means "off".
-_NOT_YET = {
-    "device_mesh": None,
-    "skip_all_reduce_unused_params": False,
-}
-
-
 class DistributedDataParallel(nn.Module, Joinable):
     """Data-parallel training of `module`: gradients are averaged across `process_group`."""
 
@@ -67,9 +60,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     ) -> None:
         super().__init__()
         Joinable.__init__(self)
-        _refuse_unsupported(locals())
         self.module = module
-        self.process_group = process_group if process_group is not None else _default_group()
+        self.process_group = _resolve_group(process_group, device_mesh)
+        # torch skips sending parameters unused on every rank (its users promise the unused set
+        # never changes); gradsync still sends their zeros. The results are the same.
+        self.skip_all_reduce_unused_params = skip_all_reduce_unused_params
         self.device_ids, self.output_device = _resolve_devices(module, device_ids, output_device)
         self.dim = dim
         self.find_unused_parameters = find_unused_parameters
@@ -100,10 +95,11 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _build_reducer(self) -> Reducer:
         params = [p for _, p in self._named_params]
         sparse = _expects_sparse_gradient(self.module, [n for n, _ in self._named_params])
-        first, cap = self._limits
+        limits, per_bucket = self._limits
         # As torch: without unused-parameter search the first iteration uses one bucket and the
-        # rebuild orders buckets by real arrival; with it, buckets follow reversed definition order.
-        initial = [first, cap] if self._searches_unused() else [sys.maxsize]
+        # rebuild orders buckets by real arrival; with it, buckets follow reversed definition
+        # order. Explicit per-bucket caps (bucket_cap_mb_list) apply from the start.
+        initial = limits if self._searches_unused() or per_bucket else [sys.maxsize]
         layout, _ = assign_buckets(params, initial, sparse)
         config = ReducerConfig(
             find_unused_parameters=self._searches_unused(),
@@ -111,7 +107,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             bucket_dtype=self._mixed.param_dtype if self._mixed else None,
             reduce_dtype=self._mixed.reduce_dtype if self._mixed else None,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
-            rebuild_bucket_size_limits=(first, cap),
+            rebuild_bucket_size_limits=tuple(limits),
         )
         return Reducer(
             params,
@@ -270,14 +266,17 @@ class DistributedDataParallel(nn.Module, Joinable):
 # ---------------------------------------------------------------------------- helpers
 
 
-def _refuse_unsupported(arguments: dict[str, Any]) -> None:
-    for name, off in _NOT_YET.items():
-        if arguments[name] is not off and arguments[name] != off:
-            raise NotImplementedError(
-                f"gradsync.DistributedDataParallel does not support {name}={arguments[name]!r} "
-                f"yet; use torch.nn.parallel.DistributedDataParallel for it, or leave it at "
-                f"{off!r}."
-            )
+def _resolve_group(group: dist.ProcessGroup | None, mesh: Any) -> dist.ProcessGroup:
+    if mesh is None:
+        return group if group is not None else _default_group()
+    if group is not None:
+        raise RuntimeError("pass either process_group or device_mesh, not both")
+    if mesh.ndim != 1:
+        raise RuntimeError(
+            f"device_mesh must be one-dimensional for data parallelism, got {mesh.ndim} "
+            f"dimensions {tuple(mesh.shape)}; pass device_mesh[\"dp\"] (a 1-D slice)"
+        )
+    return mesh.get_group()
 
 
 def _default_group() -> dist.ProcessGroup:
@@ -316,18 +315,19 @@ def _buffer_policy(broadcast_buffers: bool | None, forward_sync: bool | None) ->
     return effective, effective
 
 
-def _bucket_limits(cap_mb: float | None, cap_mb_list: list[float] | None) -> tuple[int, int]:
+def _bucket_limits(
+    cap_mb: float | None, cap_mb_list: list[float] | None
+) -> tuple[list[int], bool]:
+    """(byte limits, whether they are explicit per-bucket caps), as torch 2.13 sets them."""
+    caps = list(cap_mb_list or []) + ([] if cap_mb is None else [cap_mb])
+    bad = [c for c in caps if c < 0]
+    if bad:
+        raise ValueError(f"bucket sizes must be >= 0 MiB, got {bad}")
     if cap_mb_list:
-        raise NotImplementedError(
-            "gradsync.DistributedDataParallel does not support bucket_cap_mb_list yet; pass "
-            "bucket_cap_mb instead."
-        )
+        return [int(c * MIB) for c in cap_mb_list], True
     if cap_mb is None:
-        return DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES
-    if cap_mb < 0:
-        raise ValueError(f"bucket_cap_mb={cap_mb} must be >= 0")
-    cap = int(cap_mb * MIB)
-    return cap, cap
+        return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES], False
+    return [int(cap_mb * MIB)], False
 
 
 def _trainable_parameters(
