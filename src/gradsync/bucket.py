@@ -7,7 +7,9 @@ shape (and strides, for channels-last tensors), at its offset. The Reducer copie
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -50,6 +52,11 @@ class Bucket:
         self.pending = len(self.params)
         self.work: torch.distributed.Work | None = None
         self.payload = self.buffer
+        # With a communication hook: the Future it returned, set when complete, and its view.
+        self.future: torch.futures.Future | None = None
+        self.future_done: threading.Event | None = None
+        self.hook_view: Any = None
+        self.hook_error: Exception | None = None
 
     @property
     def nbytes(self) -> int:
@@ -60,6 +67,10 @@ class Bucket:
         self.work = None
         self.sparse_grad = None
         self.payload = self.buffer
+        self.future = None
+        self.future_done = None
+        self.hook_view = None
+        self.hook_error = None
 
     def __repr__(self) -> str:
         return (

@@ -24,6 +24,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from .bucketing import compute_bucket_assignment_by_size as assign_buckets
 from .collectives import all_gather_objects, broadcast_tensors
+from .comm import CommHook
 from .config import ReducerConfig
 from .delayed import DelayedAllReduce
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
@@ -204,6 +205,18 @@ class DistributedDataParallel(nn.Module, Joinable):
             yield
         finally:
             self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> Future[Tensor]` (torch's protocol).
+
+        The hook sees the bucket's summed, unaveraged gradients and must return a Future of the
+        averaged (or otherwise reduced) tensor of the same shape and dtype. Call once, before
+        the first forward. torch's own hooks (`torch.distributed.algorithms.ddp_comm_hooks`)
+        and `gradsync.comm_hooks` work as they are.
+        """
+        if self.reducer is None:
+            raise RuntimeError("register_comm_hook: every parameter uses the delayed all-reduce")
+        self.reducer.register_comm_hook(state, hook)
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:

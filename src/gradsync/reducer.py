@@ -29,6 +29,7 @@ import torch.distributed as dist
 from .bucket import Bucket
 from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
 from .collectives import broadcast_tensors
+from .comm import CommHook, HookChain, check_hook, hook_name
 from .config import ReducerConfig
 from .errors import (
     GradSyncError,
@@ -72,6 +73,8 @@ class Reducer:
         self.rank = process_group.rank()
         self.world_size = process_group.size()
         self._find_unused = self.config.find_unused_parameters
+        self._comm_hook: tuple[object, CommHook] | None = None
+        self._chain: HookChain | None = None
         reduce_dtype = self.config.reduce_dtype
         self._scale_at_launch = reduce_dtype is not None and reduce_dtype != (
             self.config.bucket_dtype or self.params[0].dtype
@@ -207,6 +210,7 @@ class Reducer:
             bucket_indices=self.bucket_indices,
             bucket_bytes=[b.nbytes for b in self.buckets],
         )
+        self._chain = self._new_chain()
 
     def prepare_for_forward(self) -> None:
         """Note that a new forward has started (call it on every forward, synced or not).
@@ -294,7 +298,8 @@ class Reducer:
             self._mark(index, EventKind.READY)
         for index in self._static_unused:
             self._mark(index, EventKind.UNUSED)
-        self._start_used_map_reduction()
+        if self._chain is None:
+            self._start_used_map_reduction()
         self.finish_backward()
 
     # ----------------------------------------------------------------------- hot path
@@ -345,7 +350,7 @@ class Reducer:
 
     def _queue_finish(self) -> None:
         self._finalize_queued = True
-        if self._find_unused:
+        if self._find_unused and self._chain is None:
             self._start_used_map_reduction()
         torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
 
@@ -358,13 +363,15 @@ class Reducer:
         as_view = self.config.gradient_as_bucket_view
         aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, bucket.views)]
         plain = not any(aliased) and not any(g is not None and g.requires_grad for g in grads)
+        scale = self._scale_in_fill
         if plain:
-            self._copy_scaled(bucket, grads)
+            self._copy_grads_in(bucket, grads)
         elif all(aliased):
-            bucket.buffer.div_(self._divisor)
+            if scale:
+                bucket.buffer.div_(self._divisor)
         else:
             for g, v, alias in zip(grads, bucket.views, aliased):
-                _scale_into(g, v, alias, self._divisor, self._inv_divisor)
+                _scale_into(g, v, alias, self._divisor if scale else 0, self._inv_divisor)
         if as_view:
             for p, g, v, alias in zip(bucket.params, grads, bucket.views, aliased):
                 if g is not None and not alias:
@@ -383,8 +390,14 @@ class Reducer:
             )
         bucket.sparse_grad = grad.coalesce() * self._inv_divisor
 
-    def _copy_scaled(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
-        if self._scale_at_launch:  # scaled in the reduce dtype instead, see `_payload`
+    @property
+    def _scale_in_fill(self) -> bool:
+        # A communication hook averages itself (torch's protocol); mixed precision scales in
+        # the reduce dtype at launch (`_payload`).
+        return self._comm_hook is None and not self._scale_at_launch
+
+    def _copy_grads_in(self, bucket: Bucket, grads: list[torch.Tensor | None]) -> None:
+        if not self._scale_in_fill:
             bucket.buffer.zero_()
             present = [(v, g) for v, g in zip(bucket.views, grads) if g is not None]
             if present:
@@ -425,13 +438,27 @@ class Reducer:
         buckets, events = self.buckets, self._timeline.events
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             bucket = buckets[self._next_bucket]
-            events.append((now_ns(), EventKind.LAUNCH, bucket.index))
             bucket.payload = self._payload(bucket)
+            self._next_bucket += 1
+            if self._chain is not None:
+                continue  # the chain launches it, after its predecessor's Future completes
+            events.append((now_ns(), EventKind.LAUNCH, bucket.index))
             bucket.work = self.process_group.allreduce([bucket.payload])
             bucket.work.get_future().add_done_callback(
                 functools.partial(_record_completion, events, bucket.index)
             )
-            self._next_bucket += 1
+        if self._chain is not None:
+            self._chain.release(self._next_bucket)
+
+    def _new_chain(self) -> HookChain | None:
+        if self._comm_hook is None:
+            return None
+        state, hook = self._comm_hook
+        iteration = self.iteration
+        return HookChain(
+            state, hook, self.buckets, self.process_group, self._timeline.events,
+            lambda b: f"bucket {b} (rank {self.rank}, iteration {iteration})",
+        )
 
     # ------------------------------------------------------------------ end of backward
 
@@ -442,11 +469,11 @@ class Reducer:
         assert self._next_bucket == len(self.buckets), "finish_backward before every launch"
         try:
             with torch.no_grad():
+                self._wait_buckets()
                 used = self._finish_used_map_reduction()
                 if self._static:  # the first iteration's global used map holds for good
                     used = self._static_used = used if used is not None else self._static_used
                 for bucket in self.buckets:
-                    self._wait_work(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
                     self._copy_grads_out(bucket, used)
         finally:
             self._expect_hooks = False
@@ -460,8 +487,8 @@ class Reducer:
 
     def _copy_grads_out(self, bucket: Bucket, used: list[int] | None) -> None:
         if bucket.sparse:
-            assert bucket.work is not None
-            bucket.params[0].grad = bucket.work.result()[0]
+            reduced = bucket.sparse_grad if bucket.work is None else bucket.work.result()[0]
+            bucket.params[0].grad = reduced
             return
         if bucket.payload is not bucket.buffer:
             self._copy_payload_out(bucket, used)
@@ -482,6 +509,46 @@ class Reducer:
                 sources.append(view)
         if targets:
             torch._foreach_copy_(targets, sources)
+
+    def _wait_buckets(self) -> None:
+        chain = self._chain
+        for bucket in self.buckets:
+            if chain is None:
+                self._wait_work(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
+            else:
+                self._accept_hook_value(bucket, chain.result(bucket, self.config.timeout))
+        if chain is not None and self._find_unused:
+            # Only now: a collective started earlier could interleave with the chain's.
+            self._start_used_map_reduction()
+
+    def _accept_hook_value(self, bucket: Bucket, value: torch.Tensor) -> None:
+        if bucket.sparse:
+            bucket.sparse_grad = value
+        elif value.dtype == bucket.buffer.dtype:
+            if value.data_ptr() != bucket.buffer.data_ptr():
+                bucket.buffer.copy_(value)
+            bucket.payload = bucket.buffer
+        else:
+            bucket.payload = value
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"register_comm_hook can be called only once; {hook_name(self._comm_hook[1])} "
+                f"is already registered (tried to add {hook_name(hook)})"
+            )
+        if self.iteration > 0:
+            raise RuntimeError(
+                f"register_comm_hook must be called before the first forward/backward; "
+                f"{self.iteration} iteration(s) have already run with the default all-reduce"
+            )
+        if self._scale_at_launch:
+            raise NotImplementedError(
+                "gradsync: communication hooks with mixed precision are not supported yet"
+            )
+        check_hook(hook)
+        self._comm_hook = (state, hook)
 
     def _copy_payload_out(self, bucket: Bucket, used: list[int] | None) -> None:
         """Write back from a payload of another dtype (mixed precision): cast per gradient."""
@@ -533,12 +600,32 @@ class Reducer:
         iteration of the ranks still training: contribute zeros to every bucket, in order."""
         if self._needs_rebuild and self.history:
             self._rebuild_buckets()
+        if self._comm_hook is not None:
+            self._shadow_hooks()
+            return
         zeros = [torch.zeros_like(b.buffer) for b in self.buckets]
         if self._find_unused:
             zeros.append(torch.zeros(len(self.params), dtype=torch.int32, device=zeros[0].device))
         for i, tensor in enumerate(zeros):
             work = self.process_group.allreduce([tensor])
             self._wait_work(work, f"shadow all-reduce {i} of a joined rank")
+
+    def _shadow_hooks(self) -> None:
+        """Run the hook on zero buckets: it issues the same collectives as the active ranks'."""
+        zero = [
+            Bucket(b.index, b.param_indices, self.params, dtype=self.config.bucket_dtype)
+            for b in self.buckets
+        ]
+        state, hook = self._comm_hook  # type: ignore[misc]
+        chain = HookChain(
+            state, hook, zero, self.process_group, [], lambda b: f"joined rank's bucket {b}"
+        )
+        chain.release(len(zero))
+        for bucket in zero:
+            chain.result(bucket, self.config.timeout)
+        if self._find_unused:
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=zero[0].buffer.device)
+            self._wait_work(self.process_group.allreduce([used]), "joined rank's used map")
 
     # --------------------------------------------------------------------------- misc
 
@@ -578,17 +665,21 @@ def _remove_handles(handles: list) -> None:
 def _scale_into(
     grad: torch.Tensor | None, view: torch.Tensor, aliased: bool, world: int, inv_world: float
 ) -> None:
+    """view = grad / world, where world 0 means: copy without scaling."""
     if grad is None:
         view.zero_()
     elif aliased:
-        view.div_(world)
+        if world:
+            view.div_(world)
     elif grad.requires_grad:  # backward(create_graph=True): leave `grad` itself intact
-        view.copy_(grad.detach() * inv_world)
-    else:
+        view.copy_(grad.detach() * inv_world if world else grad.detach())
+    elif world:
         torch.mul(grad, inv_world, out=view)
+    else:
+        view.copy_(grad)
 
 
-def _record_completion(events: list, bucket_index: int, _future: torch.futures.Future) -> None:
+def _record_completion(events: list, bucket_index: int, _future: object) -> None:
     events.append((now_ns(), EventKind.COMPLETE, bucket_index))
 
 
