@@ -26,3 +26,18 @@ def test_demo_trains_and_proves_synchronisation():
     assert "max |gradsync - torch DDP| over all parameters: 0" in out
     accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
     assert accuracy > 30.0, out  # chance is 10 %
+
+
+def test_readme_example_runs_under_torchrun():
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "train.py")
+    result = run_torchrun(example, 2, timeout=120)
+    assert result.returncode == 0, result.stdout
+
+
+def test_readme_shows_the_example_that_is_tested():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    with open(os.path.join(root, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(root, "examples", "train.py")) as f:
+        example = f.read()
+    assert example.strip() in readme

@@ -85,34 +85,33 @@ def test_parameter_unused_on_some_ranks_gets_the_average():
     torch.testing.assert_close(g0[2], model[1].weight.grad / 2)
 
 
-def test_first_bucket_launches_before_backward_ends():
+def _many_small_timelines():
+    """Every rank's timelines of a few iterations of 60 small parameters in ~256-byte buckets."""
     batches = make_batches(STEPS, 2)
     results = run_threaded(
         lambda r, g: train_reducer(r, g, "many_small", batches, bucket_cap_bytes=256, config=SMALL), 2
     )
-    for record in results:
-        for timeline in record["timelines"]:
-            order = timeline.order(EventKind.READY, EventKind.LAUNCH)
-            first_launch = order.index((EventKind.LAUNCH, 0))
-            last_ready = max(i for i, (k, _) in enumerate(order) if k == EventKind.READY)
-            assert first_launch < last_ready, "no overlap: bucket 0 waited for the whole backward"
-            assert len(timeline.bucket_indices) > 1
+    return [t for record in results for t in record["timelines"]]
+
+
+def test_first_bucket_launches_before_backward_ends():
+    for timeline in _many_small_timelines():
+        order = timeline.order(EventKind.READY, EventKind.LAUNCH)
+        first_launch = order.index((EventKind.LAUNCH, 0))
+        last_ready = max(i for i, (k, _) in enumerate(order) if k == EventKind.READY)
+        assert first_launch < last_ready, "no overlap: bucket 0 waited for the whole backward"
+        assert len(timeline.bucket_indices) > 1
 
 
 def test_events_are_consistent_and_buckets_launch_in_order():
-    batches = make_batches(STEPS, 2)
-    results = run_threaded(
-        lambda r, g: train_reducer(r, g, "many_small", batches, bucket_cap_bytes=256, config=SMALL), 2
-    )
-    for record in results:
-        for timeline in record["timelines"]:
-            ready, bucket_ready = timeline.times(EventKind.READY), timeline.times(EventKind.BUCKET_READY)
-            launch, complete = timeline.times(EventKind.LAUNCH), timeline.times(EventKind.COMPLETE)
-            launches = [i for k, i in timeline.order(EventKind.LAUNCH)]
-            assert launches == list(range(len(timeline.bucket_indices)))
-            for b, members in enumerate(timeline.bucket_indices):
-                assert max(ready[i] for i in members) <= bucket_ready[b] <= launch[b] <= complete[b]
-            assert timeline.finish_ns >= timeline.backward_end_ns
+    for timeline in _many_small_timelines():
+        ready, bucket_ready = timeline.times(EventKind.READY), timeline.times(EventKind.BUCKET_READY)
+        launch, complete = timeline.times(EventKind.LAUNCH), timeline.times(EventKind.COMPLETE)
+        launches = [i for k, i in timeline.order(EventKind.LAUNCH)]
+        assert launches == list(range(len(timeline.bucket_indices)))
+        for b, members in enumerate(timeline.bucket_indices):
+            assert max(ready[i] for i in members) <= bucket_ready[b] <= launch[b] <= complete[b]
+        assert timeline.finish_ns >= timeline.backward_end_ns
 
 
 def test_buckets_rebuilt_once_in_ready_order_identically_on_every_rank():

@@ -13,7 +13,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["Bucket"]
+__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket"]
+
+# Gradients at least this large are scaled while copied into their bucket, one pass each;
+# smaller ones are copied in one batched call and scaled with the whole buffer.
+FUSED_COPY_MIN_NUMEL = 1 << 15
 
 
 class Bucket:
@@ -39,6 +43,7 @@ class Bucket:
         self.payload: torch.Tensor = torch.empty(0)
         self.lengths = [0 if sparse else p.numel() for p in self.params]
         self.offsets = _running_offsets(self.lengths)
+        self.all_small = all(n < FUSED_COPY_MIN_NUMEL for n in self.lengths)
         first = self.params[0]
         # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
         # the low-precision compute dtype.

@@ -27,8 +27,9 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: timedelt
     except RuntimeError as error:
         raise ReductionTimeoutError(
             f"gradsync: rank {group.rank()}/{group.size()}: {what} did not complete within "
-            f"{timeout}: {error}\nAnother rank probably failed or is not running the same code "
-            "path; check its log."
+            f"{timeout}: {error}\nAnother rank probably failed, stalled, or is not running the "
+            "same code path (e.g. skipped a backward); check its log. If the step is "
+            "legitimately slow, raise the timeout."
         ) from error
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from .collectives import broadcast_tensors, wait
+from .collectives import DEFAULT_TIMEOUT, broadcast_tensors, wait
 
 if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
@@ -27,7 +27,7 @@ def find_common_rank(group: dist.ProcessGroup, rank: int, candidate: bool) -> in
     t = torch.tensor([rank if candidate else -1])
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    wait(group.allreduce([t], opts), "all-reduce to agree on an authoritative rank", group, _timeout())
+    wait(group.allreduce([t], opts), "all-reduce to agree on an authoritative rank", group, DEFAULT_TIMEOUT)
     if t.item() < 0:
         raise RuntimeError("gradsync join: no rank could serve as the authoritative copy")
     return int(t.item())
@@ -36,12 +36,6 @@ def find_common_rank(group: dist.ProcessGroup, rank: int, candidate: bool) -> in
 def all_reduce_flag(group: dist.ProcessGroup, value: bool) -> dist.Work:
     """Start a sum of one flag per rank; joined ranks contribute False."""
     return group.allreduce([torch.tensor([1.0 if value else 0.0])])
-
-
-def _timeout():
-    from .collectives import DEFAULT_TIMEOUT
-
-    return DEFAULT_TIMEOUT
 
 
 class DDPJoinHook(JoinHook):
@@ -54,7 +48,7 @@ class DDPJoinHook(JoinHook):
     def main_hook(self) -> None:
         ddp = self.ddp
         flag = torch.zeros(1)
-        wait(ddp.process_group.allreduce([flag]), "join: backward-sync flag", ddp.process_group, _timeout())
+        wait(ddp.process_group.allreduce([flag]), "join: backward-sync flag", ddp.process_group, DEFAULT_TIMEOUT)
         should_sync = flag.item() > 0
         ddp._sync_buffers_from_active_rank(is_active=False)
         ddp.require_forward_param_sync = should_sync

@@ -26,14 +26,13 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from .bucket import Bucket
+from .bucket import FUSED_COPY_MIN_NUMEL, Bucket
 from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
-from .collectives import broadcast_tensors
+from .collectives import broadcast_tensors, wait
 from .comm import CommHook, HookChain, check_hook, hook_name
 from .config import ReducerConfig
 from .errors import (
     GradSyncError,
-    ReductionTimeoutError,
     format_names,
     marked_twice_message,
     unfinished_reduction_message,
@@ -42,9 +41,6 @@ from .timeline import EventKind, IterationTimeline, now_ns
 from .unused import find_tensors, reachable_parameters
 
 __all__ = ["Reducer"]
-
-# Gradients at least this large are scaled while copied into their bucket, one call each.
-_FUSED_COPY_MIN_NUMEL = 1 << 15
 
 
 class Reducer:
@@ -420,11 +416,15 @@ class Reducer:
         either way: a float multiply by 1/divisor.
         """
         inv = self._inv_divisor
+        if bucket.all_small and all(g is not None for g in grads):  # the common case
+            torch._foreach_copy_(bucket.views, grads)  # type: ignore[arg-type]
+            bucket.buffer.mul_(inv)
+            return
         small_views, small_grads = [], []
         for view, grad in zip(bucket.views, grads):
             if grad is None:
                 view.zero_()
-            elif grad.numel() >= _FUSED_COPY_MIN_NUMEL:
+            elif grad.numel() >= FUSED_COPY_MIN_NUMEL:
                 torch.mul(grad, inv, out=view)
             else:
                 small_views.append(view)
@@ -578,20 +578,9 @@ class Reducer:
 
     def _wait_work(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
-        try:
-            work.wait(self.config.timeout)
-        except RuntimeError as error:
-            names = (
-                f" holding {format_names([self.names[i] for i in bucket.param_indices], 5)}"
-                if bucket is not None
-                else ""
-            )
-            raise ReductionTimeoutError(
-                f"gradsync: rank {self.rank}/{self.world_size}, iteration {self.iteration}: "
-                f"{what}{names} did not complete within {self.config.timeout}: {error}\n"
-                "Another rank probably failed, stalled, or skipped this backward pass; check "
-                "its log. If the step is legitimately slow, raise the timeout."
-            ) from error
+        if bucket is not None:
+            what += f" holding {format_names([self.names[i] for i in bucket.param_indices], 5)}"
+        wait(work, f"iteration {self.iteration}: {what}", self.process_group, self.config.timeout)
 
     # ------------------------------------------------------------------- joined ranks
 
