@@ -47,7 +47,7 @@ def all_gather_objects(
     gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(group.size())]
     wait(group.allgather([gathered], [padded]), "all-gather of objects", group, timeout)
     return [
-        pickle.loads(g[: int(s.item())].numpy().tobytes()) for g, s in zip(gathered, sizes)
+        pickle.loads(bytes(g[: int(s.item())].tolist())) for g, s in zip(gathered, sizes)
     ]
 
 
