@@ -8,10 +8,19 @@ from .bucketing import compute_bucket_assignment_by_size
 from .config import ReducerConfig
 from .ddp import DistributedDataParallel, exclude_from_sync
 from .errors import GradSyncError, ReductionTimeoutError
+from .log import configure_from_env
 from .reducer import Reducer
+from .stats import BucketStats, IterationStats, Stats
 from .timeline import EventKind, IterationTimeline
+from .trace import chrome_trace, merge_traces, write_chrome_trace
 
 __all__ = [
+    "BucketStats",
+    "IterationStats",
+    "Stats",
+    "chrome_trace",
+    "merge_traces",
+    "write_chrome_trace",
     "DistributedDataParallel",
     "EventKind",
     "GradSyncError",
@@ -24,3 +33,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+configure_from_env()

@@ -56,6 +56,7 @@ def broadcast_tensors(
     tensors: Sequence[torch.Tensor],
     src: int = 0,
     timeout: timedelta = DEFAULT_TIMEOUT,
+    what: str = "broadcast of parameters and buffers",
 ) -> None:
     """Overwrite `tensors` on every rank with rank `src`'s values, one collective per dtype."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
@@ -66,7 +67,7 @@ def broadcast_tensors(
             flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
             opts = dist.BroadcastOptions()
             opts.rootRank = src
-            wait(group.broadcast([flat], opts), "broadcast of parameters and buffers", group, timeout)
+            wait(group.broadcast([flat], opts), what, group, timeout)
             offset = 0
             for t in group_tensors:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -19,6 +19,7 @@ import torch
 
 from .bucket import Bucket
 from .errors import GradSyncError, ReductionTimeoutError
+from .profiling import profiled as _profiled
 from .timeline import EventKind
 
 LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
@@ -137,7 +138,8 @@ class HookChain:
         view = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
         bucket.hook_view = view
         try:
-            future = self._call(bucket, view)
+            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"):
+                future = self._call(bucket, view)
         except Exception as error:  # reported at the end of backward, on the backward thread
             bucket.hook_error = GradSyncError(
                 f"gradsync: communication hook {hook_name(self.hook)} raised on "

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,8 +29,11 @@ from .comm import CommHook
 from .config import ReducerConfig
 from .delayed import DelayedAllReduce
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
+from .log import log
 from .mixed import MixedPrecisionParams
 from .reducer import Reducer
+from .stats import Stats
+from .trace import chrome_trace, write_chrome_trace
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
@@ -90,6 +94,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._delayed is not None:
                 self._delayed.broadcast_from_rank0()
         self.reducer = self._build_reducer() if self._named_params else None
+        log.info(
+            "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
+            self.process_group.rank(), self.process_group.size(), len(self._named_params),
+            len(self.reducer.buckets) if self.reducer else 0, find_unused_parameters, static_graph,
+        )
 
     # --------------------------------------------------------------------- construction
 
@@ -217,6 +226,58 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.reducer is None:
             raise RuntimeError("register_comm_hook: every parameter uses the delayed all-reduce")
         self.reducer.register_comm_hook(state, hook)
+
+    # ----------------------------------------------------------------- seeing inside
+
+    def stats(self) -> Stats:
+        """Timings of the last synchronised iteration and medians over recent ones: when each
+        bucket was ready, launched and complete, backward and communication time, the exposed
+        (not overlapped) communication, bytes reduced. `print(ddp.stats())` for a table."""
+        if self.reducer is None:
+            raise RuntimeError("stats: every parameter uses the delayed all-reduce; no buckets")
+        return self.reducer.stats()
+
+    def export_timeline(self, path: str, rank_in_name: bool = True) -> str:
+        """Write this rank's recent iterations as a Perfetto / Chrome trace JSON; return the
+        path (with `.rank{N}` inserted before `.json` unless `rank_in_name` is False)."""
+        if self.reducer is None:
+            raise RuntimeError("export_timeline: no buckets (all parameters delayed)")
+        rank = self.process_group.rank()
+        if rank_in_name and path.endswith(".json"):
+            path = f"{path[:-5]}.rank{rank}.json"
+        trace = chrome_trace(self.reducer.history, rank, self.reducer.names)
+        return str(write_chrome_trace(path, trace))
+
+    def enable_stall_watchdog(
+        self,
+        warn_after: float = 60.0,
+        timeout: float | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
+        """When the end of backward waits more than `warn_after` seconds, log which buckets
+        are pending and which ranks have not reached the iteration; raise with that report
+        after `timeout` seconds. `store` defaults to torch's default store when this wrapper
+        uses the default group. Costs one store write per iteration."""
+        if self.reducer is None:
+            raise RuntimeError("enable_stall_watchdog: no buckets (all parameters delayed)")
+        if store is None and self.process_group is dist.group.WORLD:
+            store = dist.distributed_c10d._get_default_store()
+        self.reducer.enable_watchdog(
+            timedelta(seconds=warn_after), store,
+            timedelta(seconds=timeout) if timeout is not None else None,
+        )
+
+    def report_unused_parameters(self, enable: bool = True) -> None:
+        """With find_unused_parameters, record each iteration which parameters each rank left
+        unused (an all-gather instead of an all-reduce of the used map); read it from
+        `unused_parameters()`."""
+        if not self.find_unused_parameters or self.reducer is None:
+            raise RuntimeError("report_unused_parameters needs find_unused_parameters=True")
+        self.reducer.report_unused = enable
+
+    def unused_parameters(self) -> dict[str, list[int]]:
+        """{parameter name: ranks that did not use it} for the last synchronised iteration."""
+        return dict(self.reducer.last_unused_report) if self.reducer is not None else {}
 
     @staticmethod
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:

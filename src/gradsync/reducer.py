@@ -18,10 +18,13 @@ actually became ready there (rank 0's order, broadcast, so every rank has the sa
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import sys
 import weakref
 from collections import deque
 from collections.abc import Sequence
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -33,12 +36,17 @@ from .comm import CommHook, HookChain, check_hook, hook_name
 from .config import ReducerConfig
 from .errors import (
     GradSyncError,
+    ReductionTimeoutError,
     format_names,
     marked_twice_message,
     unfinished_reduction_message,
 )
+from .log import detail_enabled, log
+from .profiling import profiled as _profiled
+from .stats import IterationStats, Stats
 from .timeline import EventKind, IterationTimeline, now_ns
 from .unused import find_tensors, reachable_parameters
+from .watchdog import StallWatchdog
 
 __all__ = ["Reducer"]
 
@@ -70,6 +78,10 @@ class Reducer:
         self.world_size = process_group.size()
         self._find_unused = self.config.find_unused_parameters
         self._comm_hook: tuple[object, CommHook] | None = None
+        self._watchdog: StallWatchdog | None = None
+        self._stall_report = ""
+        self.report_unused = False
+        self.last_unused_report: dict[str, list[int]] = {}
         self._chain: HookChain | None = None
         reduce_dtype = self.config.reduce_dtype
         self._scale_at_launch = reduce_dtype is not None and reduce_dtype != (
@@ -174,7 +186,9 @@ class Reducer:
         t = torch.full((n,), -1, dtype=torch.int64, device=self.buckets[0].buffer.device)
         if len(order) == n:
             t.copy_(torch.tensor(order, dtype=torch.int64))
-        broadcast_tensors(self.process_group, [t], src=0, timeout=self.config.timeout)
+        broadcast_tensors(
+            self.process_group, [t], 0, self.config.timeout, "broadcast of rank 0's bucket order"
+        )
         return t.tolist()
 
     # ------------------------------------------------------------------ iteration lifecycle
@@ -192,6 +206,8 @@ class Reducer:
         self.iteration += 1
         self._reset_iteration_state()
         self._expect_hooks = True
+        if self._watchdog is not None:
+            self._watchdog.mark_progress(self.iteration)
         self._divisor = divisor or self.world_size
         self._inv_divisor = 1.0 / self._divisor
         if self._find_unused:
@@ -238,9 +254,12 @@ class Reducer:
         missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
         iteration = self.iteration
         self._abandon_iteration()
-        raise GradSyncError(
-            unfinished_reduction_message(missing, self.rank, self._find_unused, iteration)
-        )
+        message = unfinished_reduction_message(missing, self.rank, self._find_unused, iteration)
+        if self._watchdog is not None:  # what the other ranks reported, if they got here first
+            others = self._watchdog.publish_missing(iteration, missing)
+            for rank, names in sorted(others.items()):
+                message += f"\nRank {rank} reported {len(names)} missing: {format_names(names)}"
+        raise GradSyncError(message)
 
     def _abandon_iteration(self) -> None:
         """Drop a broken iteration so the reducer can be used again after the error."""
@@ -443,7 +462,8 @@ class Reducer:
             if self._chain is not None:
                 continue  # the chain launches it, after its predecessor's Future completes
             events.append((now_ns(), EventKind.LAUNCH, bucket.index))
-            bucket.work = self.process_group.allreduce([bucket.payload])
+            with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
+                bucket.work = self.process_group.allreduce([bucket.payload])
             bucket.work.get_future().add_done_callback(
                 functools.partial(_record_completion, events, bucket.index)
             )
@@ -468,7 +488,7 @@ class Reducer:
         timeline.backward_end_ns = now_ns()
         assert self._next_bucket == len(self.buckets), "finish_backward before every launch"
         try:
-            with torch.no_grad():
+            with torch.no_grad(), _profiled("gradsync.finish_backward"):
                 self._wait_buckets()
                 used = self._finish_used_map_reduction()
                 if self._static:  # the first iteration's global used map holds for good
@@ -479,6 +499,8 @@ class Reducer:
             self._expect_hooks = False
             timeline.finish_ns = now_ns()
             self.history.append(timeline)
+            if detail_enabled():
+                log.debug("rank %d: %s", self.rank, IterationStats.from_timeline(timeline))
             self._clear_reduction_state()
             self._local_used = bytearray(len(self.params))
             # Keep `_marked`: a gradient that still arrives for one of them before the next
@@ -512,6 +534,9 @@ class Reducer:
 
     def _wait_buckets(self) -> None:
         chain = self._chain
+        self._stall_report = ""
+        if self._watchdog is not None:
+            self._watch_for_stall()
         for bucket in self.buckets:
             if chain is None:
                 self._wait_work(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
@@ -520,6 +545,17 @@ class Reducer:
         if chain is not None and self._find_unused:
             # Only now: a collective started earlier could interleave with the chain's.
             self._start_used_map_reduction()
+
+    def _watch_for_stall(self) -> None:
+        """Wait up to the watchdog's warn_after for every bucket; past it, log who is missing."""
+        assert self._watchdog is not None
+        deadline = now_ns() + int(self._watchdog.warn_after.total_seconds() * 1e9)
+        for bucket in self.buckets:
+            left = timedelta(seconds=max(deadline - now_ns(), 0) / 1e9)
+            if not _done_within(bucket, left):
+                self._stall_report = self._pending_report()
+                log.warning(self._stall_report)
+                return
 
     def _accept_hook_value(self, bucket: Bucket, value: torch.Tensor) -> None:
         if bucket.sparse:
@@ -568,19 +604,49 @@ class Reducer:
         self._used_map = torch.frombuffer(bytearray(self._local_used), dtype=torch.uint8).to(
             device=device, dtype=torch.int32
         )
-        self._used_work = self.process_group.allreduce([self._used_map])
+        if self.report_unused:  # every rank's map, to say who left what unused
+            self._used_maps = [torch.zeros_like(self._used_map) for _ in range(self.world_size)]
+            self._used_work = self.process_group.allgather([self._used_maps], [self._used_map])
+        else:
+            self._used_work = self.process_group.allreduce([self._used_map])
 
     def _finish_used_map_reduction(self) -> list[int] | None:
         if self._used_work is None or self._used_map is None:
             return None
-        self._wait_work(self._used_work, "all-reduce of the used-parameter map")
-        return self._used_map.tolist()
+        self._wait_work(self._used_work, "reduction of the used-parameter map")
+        if not self.report_unused:
+            return self._used_map.tolist()
+        per_rank = [m.tolist() for m in self._used_maps]
+        self.last_unused_report = {
+            name: [r for r in range(self.world_size) if not per_rank[r][i]]
+            for i, name in enumerate(self.names)
+            if not all(per_rank[r][i] for r in range(self.world_size))
+        }
+        return [sum(m[i] for m in per_rank) for i in range(len(self.names))]
 
     def _wait_work(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
         if bucket is not None:
             what += f" holding {format_names([self.names[i] for i in bucket.param_indices], 5)}"
-        wait(work, f"iteration {self.iteration}: {what}", self.process_group, self.config.timeout)
+        if self._stall_report:
+            what += f"\n{self._stall_report}\n"
+        try:
+            wait(work, f"iteration {self.iteration}: {what}", self.process_group, self.config.timeout)
+        except ReductionTimeoutError as error:
+            if self._watchdog is None or self._stall_report:
+                raise
+            # Failed before the watchdog's warning (a peer crashed): report now.
+            raise ReductionTimeoutError(f"{error}\n{self._pending_report()}") from error
+
+    def _pending_report(self) -> str:
+        assert self._watchdog is not None
+        pending = [
+            (b.index, [self.names[i] for i in b.param_indices])
+            for b in self.buckets
+            if not _done_within(b, timedelta(0))
+        ]
+        waited = timedelta(seconds=(now_ns() - self._timeline.backward_end_ns) / 1e9)
+        return self._watchdog.report(self.iteration, waited, pending)
 
     # ------------------------------------------------------------------- joined ranks
 
@@ -617,6 +683,20 @@ class Reducer:
             self._wait_work(self.process_group.allreduce([used]), "joined rank's used map")
 
     # --------------------------------------------------------------------------- misc
+
+    def stats(self) -> Stats:
+        """The last iteration's timings and aggregates over the retained window."""
+        return Stats.from_timelines(self.iteration, list(self.history))
+
+    def enable_watchdog(
+        self, warn_after: timedelta, store: dist.Store | None, timeout: timedelta | None = None
+    ) -> None:
+        """Log a stall report when the end of backward waits longer than `warn_after`, and
+        raise (with the report) after `timeout` (default: the current one). `store` (the
+        group's store) lets the report say which ranks have not reached the iteration."""
+        self._watchdog = StallWatchdog(warn_after, store, self.rank, self.world_size)
+        if timeout is not None:
+            self.config = dataclasses.replace(self.config, timeout=timeout)
 
     def locate(self, index: int) -> tuple[int, int]:
         """(bucket index, position in that bucket) of parameter `index`."""
@@ -666,6 +746,19 @@ def _scale_into(
         torch.mul(grad, inv_world, out=view)
     else:
         view.copy_(grad)
+
+
+def _done_within(bucket: Bucket, wait_for: timedelta) -> bool:
+    """Has `bucket`'s reduction completed, waiting at most `wait_for`? Never raises."""
+    if bucket.future_done is not None:
+        return bucket.future_done.wait(wait_for.total_seconds())
+    if bucket.work is None:
+        return False
+    try:
+        # At least 1 ms: a zero timeout means "no timeout" to the process group.
+        return bool(bucket.work.wait(max(wait_for, timedelta(milliseconds=1))))
+    except RuntimeError:  # timed out, or failed: the real wait reports a failure
+        return "timed out" not in str(sys.exc_info()[1]).lower()
 
 
 def _record_completion(events: list, bucket_index: int, _future: object) -> None:

@@ -100,12 +100,14 @@ def run_threaded(
     world_size: int,
     *args: Any,
     timeout: float = 30.0,
+    with_store: bool = False,
     **kwargs: Any,
 ) -> list[Any]:
     """Call `fn(rank, group, *args, **kwargs)` on `world_size` threads; return results by rank.
 
     Collectives in the groups time out after `timeout` seconds too, so a rank blocked in one is
-    released rather than left waiting forever.
+    released rather than left waiting forever. With `with_store`, `fn` gets the group's store
+    as a third argument: `fn(rank, group, store, *args, **kwargs)`.
     """
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size={world_size}: expected 1..64")
@@ -115,8 +117,10 @@ def run_threaded(
 
     def body(rank: int) -> None:
         try:
-            group = make_gloo_group(dist.PrefixStore(prefix, store), rank, world_size, timeout)
-            outcomes.put((rank, True, fn(rank, group, *args, **kwargs)))
+            group_store = dist.PrefixStore(prefix, store)
+            group = make_gloo_group(group_store, rank, world_size, timeout)
+            extra = (group_store,) if with_store else ()
+            outcomes.put((rank, True, fn(rank, group, *extra, *args, **kwargs)))
         except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
             outcomes.put((rank, False, _describe_failure(error)))
 
