@@ -27,7 +27,7 @@ demo: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(PY) benchmarks/hook_overhead.py
 	$(PY) benchmarks/step_time.py
-	cd benchmarks && ../$(PY) comm_hooks.py
+	cd benchmarks && ../$(PY) comm_hooks.py && ../$(PY) observability_overhead.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

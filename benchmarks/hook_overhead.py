@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
-from gradsync.bench import interleave, markdown_table, timed
+from gradsync.bench import events_disabled, interleave, markdown_table, timed
 from gradsync.testing import make_gloo_group
 
 LAYERS = 100  # weight + bias each: 200 parameter tensors
@@ -29,14 +29,17 @@ def make_model() -> nn.Module:
     return nn.Sequential(*[nn.Linear(16, 16) for _ in range(LAYERS)])
 
 
-def step_timer(module: nn.Module, x: torch.Tensor, repeat: int):
+def step_timer(module: nn.Module, x: torch.Tensor, repeat: int, events: bool = True):
     def run() -> float:
         def step() -> None:
             for p in module.parameters():
                 p.grad = None
             module(x).sum().backward()
 
-        return timed(step, repeat)
+        if events:
+            return timed(step, repeat)
+        with events_disabled():
+            return timed(step, repeat)
 
     return run
 
@@ -53,6 +56,9 @@ def main() -> None:
         "torch DDP": step_timer(TorchDDP(make_model(), process_group=group), x, args.repeat),
         "torch DDP (again)": step_timer(TorchDDP(make_model(), process_group=group), x, args.repeat),
         "gradsync DDP": step_timer(GradsyncDDP(make_model(), process_group=group), x, args.repeat),
+        "gradsync DDP, events off": step_timer(
+            GradsyncDDP(make_model(), process_group=group), x, args.repeat, events=False
+        ),
         "plain module": step_timer(make_model(), x, args.repeat),
     }
     result = interleave(variants, rounds=args.rounds, warmup=2)
@@ -60,8 +66,11 @@ def main() -> None:
     print(markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3))
     plain = result.median("plain module")
     print("\nDDP overhead per parameter tensor (median step - plain step) / 200:")
-    for v in ("torch DDP", "torch DDP (again)", "gradsync DDP"):
-        print(f"  {v:18s} {(result.median(v) - plain) / (2 * LAYERS) * 1e6:6.2f} us")
+    for v in ("torch DDP", "torch DDP (again)", "gradsync DDP", "gradsync DDP, events off"):
+        print(f"  {v:26s} {(result.median(v) - plain) / (2 * LAYERS) * 1e6:6.2f} us")
+    on, off = result.median("gradsync DDP"), result.median("gradsync DDP, events off")
+    print(f"\nalways-on event recording: {(on - off) / on:+.1%} of the step "
+          f"(paired ratio {result.paired_ratio('gradsync DDP', 'gradsync DDP, events off'):.3f})")
 
 
 if __name__ == "__main__":

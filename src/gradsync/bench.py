@@ -8,11 +8,13 @@ against a second copy of itself) that shows how much of a difference is noise.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
-__all__ = ["Comparison", "interleave", "markdown_table", "timed"]
+__all__ = ["Comparison", "events_disabled", "interleave", "markdown_table", "timed"]
 
 
 class Comparison:
@@ -56,6 +58,32 @@ def interleave(
             if r >= warmup:
                 result.add(name, value)
     return result
+
+
+class _Discard(list):
+    def append(self, _item: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def events_disabled() -> Iterator[None]:
+    """Within: Reducers record no events (no clock reads, nothing appended), so a benchmark
+    can measure what the always-on recording costs. Stats are empty meanwhile."""
+    from . import reducer as reducer_module
+
+    real_now, real_timeline = reducer_module.now_ns, reducer_module.IterationTimeline
+
+    def silent_timeline(**fields: Any) -> Any:
+        timeline = real_timeline(**fields)
+        timeline.events = _Discard()
+        return timeline
+
+    reducer_module.now_ns = lambda: 0  # type: ignore[assignment]
+    reducer_module.IterationTimeline = silent_timeline  # type: ignore[assignment,misc]
+    try:
+        yield
+    finally:
+        reducer_module.now_ns, reducer_module.IterationTimeline = real_now, real_timeline  # type: ignore[misc]
 
 
 def timed(fn: Callable[[], object], repeat: int) -> float:
