@@ -66,6 +66,9 @@ def bench_rank(rank: int, group, model_name: str, rounds: int, repeat: int):
         "gradsync as_view": _variant(
             make, lambda m: GradsyncDDP(m, process_group=group, gradient_as_bucket_view=True), repeat
         ),
+        "gradsync planned (auto)": _variant(
+            make, lambda m: GradsyncDDP(m, process_group=group, bucket_cap_mb="auto"), repeat
+        ),
     }
     result = interleave(variants, rounds=rounds, warmup=1)
     return markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3) if rank == 0 else None

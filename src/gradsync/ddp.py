@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from .autoplan import AutoBuckets, BucketPlan
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from .bucketing import compute_bucket_assignment_by_size as assign_buckets
 from .collectives import all_gather_objects, broadcast_tensors
@@ -49,7 +50,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         broadcast_buffers: bool | None = None,
         init_sync: bool = True,
         process_group: dist.ProcessGroup | None = None,
-        bucket_cap_mb: float | None = None,
+        bucket_cap_mb: float | str | None = None,
         find_unused_parameters: bool = False,
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
@@ -81,7 +82,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
-        self._limits = _bucket_limits(bucket_cap_mb, bucket_cap_mb_list)
+        # "auto": measure, probe the network and plan the layout (gradsync.planner).
+        self._auto = AutoBuckets() if bucket_cap_mb == "auto" else None
+        self._limits = _bucket_limits(None if self._auto else bucket_cap_mb, bucket_cap_mb_list)  # type: ignore[arg-type]
         self._delay_args = (delay_all_reduce_named_params, param_to_hook_all_reduce)
         self._delayed = DelayedAllReduce.from_arguments(module, *self._delay_args, self.process_group)
         delayed_names = {n for n, _ in delay_all_reduce_named_params or ()}
@@ -175,6 +178,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._mixed is not None:  # queued first: full precision is back before write-back
                 self._mixed.restore_after_backward(output)
             if sync and self.reducer is not None:
+                if self._auto is not None:
+                    self._auto.maybe_plan(self.reducer)
                 wants_outputs = self.find_unused_parameters or self.static_graph
                 self.reducer.prepare_for_backward(
                     output if wants_outputs else None, divisor=self._divisor(active)
@@ -266,6 +271,11 @@ class DistributedDataParallel(nn.Module, Joinable):
             timedelta(seconds=warn_after), store,
             timedelta(seconds=timeout) if timeout is not None else None,
         )
+
+    def bucket_plan(self) -> BucketPlan | None:
+        """With bucket_cap_mb="auto": the planned layout and its predicted time (None until
+        planned). Compare with `stats()` for the measured one."""
+        return self._auto.plan if self._auto is not None else None
 
     def report_unused_parameters(self, enable: bool = True) -> None:
         """With find_unused_parameters, record each iteration which parameters each rank left

@@ -168,6 +168,14 @@ class Reducer:
                         view.copy_(p.grad)
                         p.grad = view
 
+    def install_layout(self, layout: Sequence[Sequence[int]]) -> None:
+        """Replace the bucket layout between iterations (every rank must install the same)."""
+        if self._expect_hooks and self._require_finalize:
+            raise RuntimeError("install_layout: an iteration is still being reduced")
+        self._needs_rebuild = False
+        self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
+        self._check_sparse_buckets(self.bucket_indices)
+
     def _rebuild_buckets(self) -> None:
         """Re-bucket once, in rank 0's ready order of the first synchronised iteration."""
         self._needs_rebuild = False

@@ -1,0 +1,143 @@
+"""Pure tests of the bucket planner and the cost-model fit: known optima, and the dynamic
+programme against brute force on small random cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync.planner import CostModel, fit_cost_model, plan_buckets, predict_finish_ms
+
+
+def test_fit_recovers_a_line():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    model = fit_cost_model(sizes, [0.05 + 2e-6 * s for s in sizes])
+    assert model.alpha_ms == pytest.approx(0.05) and model.beta_ms_per_byte == pytest.approx(2e-6)
+
+
+def test_fit_keeps_the_line_physical():
+    model = fit_cost_model([1e3, 1e6], [5.0, 1.0])  # a noisy probe with falling times
+    assert model.beta_ms_per_byte == 0.0 and model.alpha_ms >= 0.0
+    with pytest.raises(ValueError, match="at least two"):
+        fit_cost_model([1.0], [1.0])
+
+
+def test_latency_bound_communication_gets_one_bucket():
+    # Each all-reduce costs 10 ms whatever its size; gradients arrive within 1 ms.
+    cost = CostModel(alpha_ms=10.0, beta_ms_per_byte=0.0)
+    assert plan_buckets([0.1 * i for i in range(10)], [1000] * 10, cost) == [list(range(10))]
+
+
+def test_bandwidth_bound_overlap_leaves_only_the_last_gradient_exposed():
+    # No latency: sending early is free, so everything ready early goes early, and the last
+    # bucket holds only what arrives last.
+    cost = CostModel(alpha_ms=0.0, beta_ms_per_byte=1e-3)
+    ready = [10.0 * i for i in range(6)]
+    plan = plan_buckets(ready, [1000] * 6, cost)
+    assert plan[-1] == [5]
+    assert predict_finish_ms(ready, [1000] * 6, plan, cost) == pytest.approx(51.0)
+
+
+def test_one_huge_late_gradient_many_tiny_early_ones():
+    cost = CostModel(alpha_ms=1.0, beta_ms_per_byte=1e-6)
+    ready = [0.01 * i for i in range(50)] + [20.0]
+    sizes = [100] * 50 + [50_000_000]
+    plan = plan_buckets(ready, sizes, cost)
+    assert plan == [list(range(50)), [50]]
+
+
+def test_groups_are_never_mixed():
+    cost = CostModel(alpha_ms=10.0, beta_ms_per_byte=0.0)
+    plan = plan_buckets([0, 1, 2, 3], [10] * 4, cost, groups=["f32", "f32", "f16", "f32"])
+    assert plan == [[0, 1], [2], [3]]
+
+
+def test_bad_input_is_refused():
+    cost = CostModel(1.0, 0.0)
+    with pytest.raises(ValueError, match="ready order"):
+        plan_buckets([2.0, 1.0], [1, 1], cost)
+    with pytest.raises(ValueError, match="no gradients"):
+        plan_buckets([], [], cost)
+
+
+def _brute_force(ready, sizes, cost):
+    n = len(ready)
+    best = float("inf")
+    for mask in itertools.product([False, True], repeat=n - 1):
+        cuts = [0] + [i + 1 for i, cut in enumerate(mask) if cut] + [n]
+        buckets = [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+        best = min(best, predict_finish_ms(ready, sizes, buckets, cost))
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 50), min_size=1, max_size=8),
+    st.lists(st.integers(1, 10_000), min_size=8, max_size=8),
+    st.floats(0, 5),
+    st.floats(0, 1e-3),
+)
+def test_plan_is_optimal_against_brute_force(ready, sizes, alpha, beta):
+    ready = sorted(ready)
+    sizes = sizes[: len(ready)]
+    cost = CostModel(alpha, beta)
+    plan = plan_buckets(ready, sizes, cost)
+    assert sorted(i for b in plan for i in b) == list(range(len(ready)))
+    assert predict_finish_ms(ready, sizes, plan, cost) == pytest.approx(_brute_force(ready, sizes, cost))
+
+
+def test_many_gradients_are_merged_into_atoms_and_planned_quickly():
+    import time
+
+    n = 3000
+    start = time.perf_counter()
+    plan = plan_buckets([i * 0.001 for i in range(n)], [4096] * n, CostModel(0.1, 1e-6))
+    assert time.perf_counter() - start < 10
+    assert sorted(i for b in plan for i in b) == list(range(n))
+
+
+# ------------------------------------------------------------------ on real groups
+
+
+def _auto_vs_torch(rank, group, model_name):
+    import torch
+    from models import make_batches
+    from parity import train_wrapper
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from gradsync import DistributedDataParallel as GradsyncDDP
+
+    batches = make_batches(7, group.size())
+    plans = []
+
+    class Recording(GradsyncDDP):
+        def forward(self, *a, **k):
+            out = super().forward(*a, **k)
+            plans.append(self.bucket_plan())
+            self.last_layout = self.reducer.bucket_indices
+            return out
+
+    ours = train_wrapper(Recording, rank, group, model_name, batches, bucket_cap_mb="auto")
+    theirs = train_wrapper(TorchDDP, rank, group, model_name, batches)
+    assert torch.is_tensor(batches[0])
+    return ours, theirs, plans[-1], [p is None for p in plans]
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "many_small"])
+def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
+    from parity import assert_records_equal
+
+    from gradsync.testing import run_threaded
+
+    results = run_threaded(_auto_vs_torch, 2, model_name, timeout=120)
+    (ours0, theirs0, plan0, none0), (ours1, _, plan1, _) = results
+    assert none0 == [True] * 3 + [False] * 4  # planned before the 4th iteration's backward
+    assert plan0.layout == plan1.layout  # the same on every rank
+    assert plan0.cost == plan1.cost
+    assert plan0.predicted_finish_ms <= plan0.default_finish_ms + 1e-9
+    assert sorted(i for b in plan0.layout for i in b) == list(range(len(ours0["params"])))
+    for ours, theirs in [(ours0, theirs0), (ours1, results[1][1])]:
+        assert_records_equal(ours, theirs, exact=True, what="auto vs torch")
