@@ -32,10 +32,49 @@ def main(argv: list[str] | None = None) -> int:
         "(--epochs, --samples, --batch-size, --lr, --seed, --bucket-cap-mb) go to the job.",
     )
     demo.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    sim = sub.add_parser(
+        "simulate",
+        help="predict step time at 2..1024 ranks from a recorded timing profile",
+        description="Replay a recorded timing profile (DistributedDataParallel."
+        "save_timing_profile) over a modelled network: default, planned and no-overlap layouts.",
+    )
+    sim.add_argument("--profile", required=True, help="JSON written by save_timing_profile")
+    sim.add_argument("--bandwidth", type=float, default=12.5, help="GB/s per link (default 12.5)")
+    sim.add_argument("--latency", type=float, default=10.0, help="microseconds per hop (default 10)")
+    sim.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
+    sim.add_argument("--ranks", default="2,4,8,16,32,64,128,256,512,1024")
+    sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         return _demo(args, rest)
-    return 1
+    if rest:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    return _simulate(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .simulate import Network, Profile, markdown, plot, simulate
+
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+        if any(r < 1 for r in ranks):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"gradsync simulate: --ranks must be positive integers, got {args.ranks!r}") from None
+    try:
+        profile = Profile.load(args.profile)
+        network = Network(args.bandwidth, args.latency, args.algorithm)
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gradsync simulate: {error}") from None
+    predictions = simulate(profile, network, ranks)
+    print(f"profile: forward {profile.forward_ms:.3f} ms, backward {profile.backward_ms:.3f} ms, "
+          f"{sum(profile.nbytes) / 2**20:.2f} MiB of gradients in {len(profile.nbytes)} tensors")
+    print(f"network: {network.bandwidth_gbps} GB/s, {network.latency_us} us, {network.algorithm}\n")
+    print(markdown(predictions))
+    print(f"\nplot: {plot(predictions, Path(args.out) / 'simulate.png')}")
+    return 0
 
 
 if __name__ == "__main__":

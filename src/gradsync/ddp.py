@@ -272,6 +272,13 @@ class DistributedDataParallel(nn.Module, Joinable):
             timedelta(seconds=timeout) if timeout is not None else None,
         )
 
+    def save_timing_profile(self, path: str) -> str:
+        """Write this rank's measured timings (medians of recent iterations) as JSON, for
+        `gradsync simulate --profile`."""
+        if self.reducer is None:
+            raise RuntimeError("save_timing_profile: no buckets (all parameters delayed)")
+        return str(self.reducer.timing_profile().save(path))
+
     def bucket_plan(self) -> BucketPlan | None:
         """With bucket_cap_mb="auto": the planned layout and its predicted time (None until
         planned). Compare with `stats()` for the measured one."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import statistics
 import sys
 import weakref
 from collections import deque
@@ -43,6 +44,7 @@ from .errors import (
 )
 from .log import detail_enabled, log
 from .profiling import profiled as _profiled
+from .simulate import Profile
 from .stats import IterationStats, Stats
 from .timeline import EventKind, IterationTimeline, now_ns
 from .unused import find_tensors, reachable_parameters
@@ -101,6 +103,7 @@ class Reducer:
         # as used when the gradients are finally reduced.
         self._local_used = bytearray(len(self.params))
         self._divisor, self._inv_divisor = self.world_size, 1.0 / self.world_size
+        self._forward_start_ns = 0
         # Static graph: hook firings per parameter, learned in the first iteration.
         self._static = self.config.static_graph
         self._hook_counts: list[int] = []
@@ -230,6 +233,7 @@ class Reducer:
             bucket_indices=self.bucket_indices,
             bucket_bytes=[b.nbytes for b in self.buckets],
         )
+        self._timeline.forward_start_ns = self._forward_start_ns
         self._chain = self._new_chain()
 
     def prepare_for_forward(self) -> None:
@@ -239,6 +243,7 @@ class Reducer:
         an error: it would be silently left out of the average.
         """
         self._reduced = False
+        self._forward_start_ns = now_ns()
 
     def _reset_iteration_state(self) -> None:
         self._marked = [False] * len(self.params)
@@ -695,6 +700,27 @@ class Reducer:
     def stats(self) -> Stats:
         """The last iteration's timings and aggregates over the retained window."""
         return Stats.from_timelines(self.iteration, list(self.history))
+
+    def timing_profile(self, window: int = 8) -> Profile:
+        """Median timings of the last `window` iterations, gradients in ready order: the input
+        of `gradsync simulate`."""
+        timelines = [t for t in list(self.history)[-window:] if t.finish_ns]
+        if not timelines:
+            raise RuntimeError("timing_profile: no finished iteration recorded yet")
+        ready: list[list[float]] = [[] for _ in self.params]
+        for tl in timelines:
+            for t, kind, i in tl.events:
+                if kind in (EventKind.READY, EventKind.UNUSED):
+                    ready[i].append((t - tl.start_ns) * 1e-6)
+        median = [statistics.median(v) if v else 0.0 for v in ready]
+        order = sorted(range(len(self.params)), key=lambda i: (median[i], i))
+        forward = [(t.start_ns - t.forward_start_ns) * 1e-6 for t in timelines if t.forward_start_ns]
+        return Profile(
+            forward_ms=statistics.median(forward) if forward else 0.0,
+            ready_ms=tuple(median[i] for i in order),
+            nbytes=tuple(self.params[i].numel() * self.params[i].element_size() for i in order),
+            names=tuple(self.names[i] for i in order),
+        )
 
     def enable_watchdog(
         self, warn_after: timedelta, store: dist.Store | None, timeout: timedelta | None = None

@@ -37,6 +37,8 @@ class IterationTimeline:
     events: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
     backward_end_ns: int = 0
     finish_ns: int = 0
+    forward_start_ns: int = 0
+    """When the forward that led here began (0 if the caller did not say)."""
 
     def times(self, kind: int) -> dict[int, int]:
         """index -> time (ns since `start_ns`) of the first event of `kind`."""

@@ -1,0 +1,172 @@
+"""Predict step time at scale from one measured timing profile, with the planner's model.
+
+A *profile* is what one real run measured (`DistributedDataParallel.save_timing_profile`): the
+forward time, each gradient's ready time after forward and its size, in ready order. A *network*
+is a bandwidth, a latency and an all-reduce algorithm. For each rank count the simulator prices
+an all-reduce of M bytes as
+
+* ring: 2(N-1)·latency + 2(N-1)/N · M / bandwidth
+* tree: 2·ceil(log2 N)·latency + 2 · M / bandwidth
+
+and replays backward: buckets launch in order as they fill, one collective at a time. Three
+layouts are compared: torch's default (1 MiB first bucket, then 25 MiB, in ready order), the
+planned one (`plan_buckets` under that N's cost) and no overlap (one all-reduce after backward).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+from .planner import CostModel, plan_buckets, predict_finish_ms
+
+__all__ = ["Network", "Profile", "Prediction", "simulate", "default_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Measured timings of one iteration (medians), gradients in ready order."""
+
+    forward_ms: float
+    ready_ms: tuple[float, ...]
+    nbytes: tuple[int, ...]
+    names: tuple[str, ...] = ()
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        try:
+            return cls(
+                forward_ms=float(data["forward_ms"]),
+                ready_ms=tuple(float(t) for t in data["ready_ms"]),
+                nbytes=tuple(int(b) for b in data["nbytes"]),
+                names=tuple(data.get("names", ())),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"{path}: not a gradsync timing profile (need forward_ms, ready_ms, nbytes): {error}"
+            ) from error
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        return path
+
+    @property
+    def backward_ms(self) -> float:
+        return self.ready_ms[-1] if self.ready_ms else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    bandwidth_gbps: float
+    """Per-link bandwidth in GB/s."""
+    latency_us: float
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps <= 0 or self.latency_us < 0:
+            raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self}")
+        if self.algorithm not in ("ring", "tree"):
+            raise ValueError(f"algorithm={self.algorithm!r}: expected 'ring' or 'tree'")
+
+    def cost(self, ranks: int) -> CostModel:
+        """All-reduce cost on `ranks` ranks as a CostModel (alpha ms, beta ms per byte)."""
+        alpha, per_byte = self.latency_us * 1e-3, 1e-6 / self.bandwidth_gbps
+        if ranks <= 1:
+            return CostModel(0.0, 0.0)
+        if self.algorithm == "ring":
+            return CostModel(2 * (ranks - 1) * alpha, 2 * (ranks - 1) / ranks * per_byte)
+        return CostModel(2 * math.ceil(math.log2(ranks)) * alpha, 2 * per_byte)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    ranks: int
+    default_ms: float
+    planned_ms: float
+    no_overlap_ms: float
+    planned_buckets: int
+    compute_ms: float
+
+    def efficiency(self, step_ms: float) -> float:
+        """Scaling efficiency: the one-rank (compute-only) step over this step."""
+        return self.compute_ms / step_ms if step_ms > 0 else 1.0
+
+
+def default_layout(nbytes: Sequence[int]) -> list[list[int]]:
+    """torch's limits applied in ready order: a 1 MiB first bucket, then 25 MiB ones."""
+    buckets: list[list[int]] = [[]]
+    limits = [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES]
+    size = 0
+    for i, b in enumerate(nbytes):
+        buckets[-1].append(i)
+        size += b
+        if size >= limits[min(len(buckets) - 1, 1)]:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def simulate(profile: Profile, network: Network, ranks: Sequence[int]) -> list[Prediction]:
+    """Predicted step time (forward + backward + exposed communication) for each rank count."""
+    ready, nbytes = list(profile.ready_ms), list(profile.nbytes)
+    compute = profile.forward_ms + profile.backward_ms
+    default = default_layout(nbytes)
+    out = []
+    for n in ranks:
+        cost = network.cost(n)
+        planned = plan_buckets(ready, nbytes, cost)
+        no_overlap = profile.backward_ms + cost.time_ms(sum(nbytes))
+        out.append(
+            Prediction(
+                ranks=n,
+                default_ms=profile.forward_ms + max(predict_finish_ms(ready, nbytes, default, cost), profile.backward_ms),
+                planned_ms=profile.forward_ms + max(predict_finish_ms(ready, nbytes, planned, cost), profile.backward_ms),
+                no_overlap_ms=profile.forward_ms + no_overlap,
+                planned_buckets=len(planned),
+                compute_ms=compute,
+            )
+        )
+    return out
+
+
+def markdown(predictions: Sequence[Prediction]) -> str:
+    lines = [
+        "| ranks | default ms | planned ms | no overlap ms | planned buckets | efficiency (planned) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in predictions:
+        lines.append(
+            f"| {p.ranks} | {p.default_ms:.3f} | {p.planned_ms:.3f} | {p.no_overlap_ms:.3f} | "
+            f"{p.planned_buckets} | {p.efficiency(p.planned_ms):.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(predictions: Sequence[Prediction], path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ranks = [p.ranks for p in predictions]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for label, attr in [("default", "default_ms"), ("planned", "planned_ms"), ("no overlap", "no_overlap_ms")]:
+        ax.plot(ranks, [getattr(p, attr) for p in predictions], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,75 @@
+"""The simulator: network cost formulas, layouts compared, profiles from real runs, the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from models import MODELS
+
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.cli import main as cli
+from gradsync.simulate import Network, Profile, default_layout, simulate
+from gradsync.testing import run_threaded, seeded
+
+PROFILE = Profile(forward_ms=2.0, ready_ms=tuple(0.5 * i for i in range(1, 41)),
+                  nbytes=tuple([256 * 1024] * 40))
+
+
+def test_ring_and_tree_costs():
+    net = Network(bandwidth_gbps=10.0, latency_us=5.0)
+    ring = net.cost(4)
+    assert ring.alpha_ms == pytest.approx(2 * 3 * 5e-3)
+    assert ring.beta_ms_per_byte == pytest.approx(2 * 3 / 4 * 1e-7)
+    tree = Network(10.0, 5.0, "tree").cost(1024)
+    assert tree.alpha_ms == pytest.approx(2 * 10 * 5e-3)
+    assert Network(10.0, 5.0).cost(1).time_ms(1e9) == 0.0
+    with pytest.raises(ValueError, match="algorithm"):
+        Network(1.0, 1.0, "mesh")
+
+
+def test_default_layout_follows_torchs_limits():
+    layout = default_layout([512 * 1024] * 3 + [10 * 2**20] * 4)
+    assert layout[0] == [0, 1]  # 1 MiB first bucket
+    assert layout[1] == [2, 3, 4, 5]  # then up to 25 MiB
+
+
+def test_planned_is_never_worse_and_no_overlap_is_worst():
+    for algorithm in ("ring", "tree"):
+        for p in simulate(PROFILE, Network(5.0, 20.0, algorithm), [2, 8, 64, 1024]):
+            assert p.planned_ms <= p.default_ms + 1e-9
+            assert p.planned_ms <= p.no_overlap_ms + 1e-9
+            assert p.planned_ms >= PROFILE.forward_ms + PROFILE.backward_ms
+            assert 0 < p.efficiency(p.planned_ms) <= 1
+
+
+def test_profile_round_trip_and_bad_file(tmp_path):
+    path = PROFILE.save(tmp_path / "p.json")
+    assert Profile.load(path) == PROFILE
+    (tmp_path / "bad.json").write_text(json.dumps({"ready_ms": []}))
+    with pytest.raises(ValueError, match="not a gradsync timing profile"):
+        Profile.load(tmp_path / "bad.json")
+
+
+def test_profile_from_a_real_run_feeds_the_cli(tmp_path, capsys):
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group)
+        for _ in range(4):
+            ddp(torch.ones(4, 8)).sum().backward()
+        return ddp.save_timing_profile(str(tmp_path / f"profile{rank}.json"))
+
+    path = run_threaded(body, 2)[0]
+    profile = Profile.load(path)
+    assert len(profile.nbytes) == 60 and list(profile.ready_ms) == sorted(profile.ready_ms)
+    assert profile.forward_ms > 0
+    assert cli(["simulate", "--profile", path, "--ranks", "2,4,1024", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 1024 |" in out and (tmp_path / "simulate.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_refuses_bad_values(tmp_path):
+    with pytest.raises(SystemExit, match="--ranks must be positive"):
+        cli(["simulate", "--profile", "x.json", "--ranks", "2,zero"])
+    with pytest.raises(SystemExit, match="x.json"):
+        cli(["simulate", "--profile", str(tmp_path / "x.json")])
