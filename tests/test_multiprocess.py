@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+
+import pytest
 
 from gradsync.testing import run_torchrun
 
@@ -16,16 +19,28 @@ def test_torchrun_training_matches_torch_ddp_step_for_step():
         assert f"rank {rank}: 15 steps matched torch DDP exactly" in result.stdout
 
 
-def test_demo_trains_and_proves_synchronisation():
+def test_demo_trains_and_proves_synchronisation(tmp_path):
     result = run_torchrun(
-        "gradsync.demo", 2, ["--epochs", "2", "--samples", "3000"], module=True, timeout=180
+        "gradsync.demo", 2, ["--epochs", "12", "--out", str(tmp_path)], module=True, timeout=180
     )
-    assert result.returncode == 0, result.stdout
     out = result.stdout
-    assert "parameters identical on all ranks: True" in out
-    assert "max |gradsync - torch DDP| over all parameters: 0" in out
+    assert result.returncode == 0, out
     accuracy = float(out.split("held-out accuracy:")[1].split("%")[0])
-    assert accuracy > 30.0, out  # chance is 10 %
+    assert accuracy >= 95.0, out
+    assert "parameters identical on all 2 ranks: True" in out
+    assert "max |DDP - single process on whole batches|: 0.00e+00" in out
+    assert "RESULT: PASS" in out and "overlap ratio" in out
+    assert (tmp_path / "overlap.png").read_bytes()[:4] == b"\x89PNG"
+    assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+
+
+def test_demo_cli_refuses_bad_values():
+    from gradsync.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["demo", "--lr", "-1"])
+    with pytest.raises(SystemExit, match="--nproc must be at least 1"):
+        main(["demo", "--nproc", "0"])
 
 
 def test_readme_example_runs_under_torchrun():

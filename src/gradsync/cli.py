@@ -14,24 +14,40 @@ __all__ = ["main"]
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
     from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from . import demo
+
+    if args.help:
+        print(DEMO_USAGE)
+        demo.parse_args(["--help"])
     if args.nproc < 1:
         raise SystemExit(f"gradsync demo: --nproc must be at least 1, got {args.nproc}")
+    demo.parse_args(rest)  # bad values fail here, once, before any rank starts
     launcher = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "gradsync.demo", *rest]
-    torchrun.main(launcher)
+    try:
+        torchrun.main(launcher)
+    except (KeyboardInterrupt, SignalException):
+        print("\ngradsync demo: interrupted; torch's launcher stopped every rank", file=sys.stderr)
+        return 130
     return 0
+
+
+DEMO_USAGE = """usage: gradsync demo [--nproc N] [job options]
+
+Launches N local ranks (default 2) with torch.distributed.run and trains the demo job on them.
+Job options, passed to every rank:"""
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser(
-        "demo",
-        help="train a classifier on local ranks and prove it matches torch's DDP",
-        description="Launch the demo job with torch.distributed.run. Extra options "
-        "(--epochs, --samples, --batch-size, --lr, --seed, --bucket-cap-mb) go to the job.",
+        "demo", add_help=False,
+        help="train a digit classifier on local ranks and prove the synchronisation",
     )
     demo.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    demo.add_argument("-h", "--help", action="store_true")
     sim = sub.add_parser(
         "simulate",
         help="predict step time at 2..1024 ranks from a recorded timing profile",

@@ -84,7 +84,8 @@ class IterationStats:
             iteration=tl.iteration,
             backward_ms=last_ready,
             comm_ms=max(last_complete - first_launch, 0.0),
-            exposed_comm_ms=max(last_complete - last_ready, 0.0),
+            # Only what runs after the last gradient is ready, and after communication began.
+            exposed_comm_ms=max(last_complete - max(last_ready, first_launch), 0.0),
             total_ms=end,
             nbytes=sum(tl.bucket_bytes),
             buckets=buckets,

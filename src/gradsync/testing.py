@@ -264,7 +264,7 @@ def run_torchrun(
     launcher_args: Sequence[str] = (),
 ) -> subprocess.CompletedProcess[str]:
     """Run `script` (a path, or a module name with `module=True`) under torch's launcher on
-    127.0.0.1 and return its combined output.
+    this host and return its combined output.
 
     The launcher runs in its own session; past `timeout` the whole session is killed, so no
     worker survives, and `RankTimeoutError` carries what it printed.
@@ -274,9 +274,9 @@ def run_torchrun(
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        "--master-addr=127.0.0.1",
-        f"--master-port={free_port()}",
-        *launcher_args,
+        # --standalone binds its rendezvous to a free port itself: no window in which another
+        # process can take a port we picked (unless launcher_args set up a rendezvous).
+        *(launcher_args or ["--standalone"]),
         *(["-m"] if module else []),
         script,
         *script_args,
