@@ -56,3 +56,20 @@ def test_readme_shows_the_example_that_is_tested():
     with open(os.path.join(root, "examples", "train.py")) as f:
         example = f.read()
     assert example.strip() in readme
+
+
+def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
+    result = run_torchrun(
+        "gradsync.benchsuite", 2, ["--quick", "--out", str(tmp_path)], module=True, timeout=300
+    )
+    assert result.returncode == 0, result.stdout
+    summary = json.loads((tmp_path / "bench.json").read_text())
+    assert set(summary) == {"many_small", "convnet"}
+    for model in summary.values():
+        assert set(model["median_ms"]) == {
+            "torch DDP", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only"
+        }
+        assert max(model["max_param_diff_to_torch"].values()) <= 1e-3
+        assert model["ratio_to_torch"]["torch DDP"] == 1.0
+    assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
+    assert "communication floor" in (tmp_path / "bench.md").read_text()

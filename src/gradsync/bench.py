@@ -32,7 +32,7 @@ class Comparison:
 
     def spread(self, variant: str) -> tuple[float, float]:
         """(25th, 75th) percentile."""
-        q = statistics.quantiles(self.samples[variant], n=4)
+        q = statistics.quantiles(self.samples[variant], n=4, method="inclusive")
         return q[0], q[2]
 
     def paired_ratio(self, variant: str, baseline: str) -> float:

@@ -1,4 +1,5 @@
-"""The `gradsync` command line: `gradsync demo` runs the demo job on local ranks.
+"""The `gradsync` command line: `demo` (the demo job on local ranks), `bench` (gradsync vs
+torch's DDP, side by side) and `simulate` (step time at scale from a recorded profile).
 
 Ranks are started by torch's own launcher (`torch.distributed.run`), exactly as users start
 their training: nothing here manages processes.
@@ -13,9 +14,6 @@ __all__ = ["main"]
 
 
 def _demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-
     from . import demo
 
     if args.help:
@@ -24,11 +22,30 @@ def _demo(args: argparse.Namespace, rest: list[str]) -> int:
     if args.nproc < 1:
         raise SystemExit(f"gradsync demo: --nproc must be at least 1, got {args.nproc}")
     demo.parse_args(rest)  # bad values fail here, once, before any rank starts
-    launcher = ["--standalone", f"--nproc-per-node={args.nproc}", "-m", "gradsync.demo", *rest]
+    return _launch(args.nproc, "gradsync.demo", rest, "demo")
+
+
+def _bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from . import benchsuite
+
+    if args.help:
+        print("usage: gradsync bench [--nproc N] [bench options]\n")
+        benchsuite.parse_args(["--help"])
+    if args.nproc < 2:
+        raise SystemExit(f"gradsync bench: --nproc must be at least 2, got {args.nproc}")
+    benchsuite.parse_args(rest)
+    return _launch(args.nproc, "gradsync.benchsuite", rest, "bench")
+
+
+def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    launcher = ["--standalone", f"--nproc-per-node={nproc}", "-m", module, *rest]
     try:
         torchrun.main(launcher)
     except (KeyboardInterrupt, SignalException):
-        print("\ngradsync demo: interrupted; torch's launcher stopped every rank", file=sys.stderr)
+        print(f"\ngradsync {what}: interrupted; torch's launcher stopped every rank", file=sys.stderr)
         return 130
     return 0
 
@@ -48,6 +65,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     demo.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     demo.add_argument("-h", "--help", action="store_true")
+    bench = sub.add_parser(
+        "bench", add_help=False, help="gradsync vs torch's DDP on a benchmark set, side by side"
+    )
+    bench.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    bench.add_argument("-h", "--help", action="store_true")
     sim = sub.add_parser(
         "simulate",
         help="predict step time at 2..1024 ranks from a recorded timing profile",
@@ -63,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
         return _demo(args, rest)
+    if args.command == "bench":
+        return _bench(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     return _simulate(args)
