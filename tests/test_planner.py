@@ -141,3 +141,30 @@ def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
     assert sorted(i for b in plan0.layout for i in b) == list(range(len(ours0["params"])))
     for ours, theirs in [(ours0, theirs0), (ours1, results[1][1])]:
         assert_records_equal(ours, theirs, exact=True, what="auto vs torch")
+
+
+def _forced_revert(rank, group):
+    import torch
+    from models import MODELS
+
+    from gradsync import DistributedDataParallel as GradsyncDDP
+    from gradsync.testing import seeded
+
+    ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+    ddp._auto.check, ddp._auto.tolerance = 2, -1.0  # any measurement counts as slower
+    layouts = []
+    for _ in range(8):
+        ddp(torch.ones(4, 8)).sum().backward()
+        layouts.append(ddp.reducer.bucket_indices)
+    return ddp.bucket_plan(), layouts
+
+
+def test_a_plan_measured_slower_is_reverted_on_every_rank():
+    from gradsync.testing import run_threaded
+
+    (plan0, layouts0), (plan1, layouts1) = run_threaded(_forced_revert, 2)
+    assert plan0.kept is False and plan1.kept is False
+    assert plan0.measured_after_ms == plan1.measured_after_ms  # agreed, so decided alike
+    assert layouts0 == layouts1
+    assert layouts0[-1] == plan0.previous_layout
+    assert "reverted" in str(plan0)

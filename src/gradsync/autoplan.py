@@ -33,27 +33,53 @@ class BucketPlan:
     default_finish_ms: float
     """The same prediction for the layout it replaced."""
     planned_at_iteration: int
+    previous_layout: list[list[int]]
+    measured_before_ms: float
+    """Median time from the end of forward until gradients were written back, before."""
+    measured_after_ms: float | None = None
+    """The same after planning (None until checked)."""
+    kept: bool | None = None
+    """Whether the plan stayed (None until checked; False: measured slower, reverted)."""
 
     def __str__(self) -> str:
+        verdict = {None: "not yet checked", True: "kept", False: "reverted: measured slower"}[self.kept]
+        after = f"{self.measured_after_ms:.3f}" if self.measured_after_ms is not None else "?"
         return (
-            f"planned {len(self.layout)} buckets at iteration {self.planned_at_iteration}: "
-            f"predicted {self.predicted_finish_ms:.3f} ms vs {self.default_finish_ms:.3f} ms for "
-            f"the previous layout (all-reduce ≈ {self.cost.alpha_ms:.3f} ms + "
-            f"{self.cost.beta_ms_per_byte * 1e6:.4f} ms/MB)"
+            f"planned {len(self.layout)} buckets (was {len(self.previous_layout)}) at iteration "
+            f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
+            f"{self.default_finish_ms:.3f} ms; measured {after} ms vs "
+            f"{self.measured_before_ms:.3f} ms ({verdict}); all-reduce ≈ "
+            f"{self.cost.alpha_ms:.3f} ms + {self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
         )
 
 
 class AutoBuckets:
-    """Plans once, after `warmup` finished synchronised iterations (the first rebuild included)."""
+    """Plans once, after `warmup` finished synchronised iterations (the first rebuild included),
+    then checks the plan against measurement after `check` more and reverts it if it was slower
+    (the model knows nothing of, say, gloo threads competing with backward for the cores)."""
 
-    def __init__(self, warmup: int = 3, window: int = 2) -> None:
-        self.warmup, self.window = warmup, window
+    def __init__(self, warmup: int = 3, window: int = 2, check: int = 4, tolerance: float = 0.02) -> None:
+        self.warmup, self.window, self.check, self.tolerance = warmup, window, check, tolerance
         self.plan: BucketPlan | None = None
 
     def maybe_plan(self, reducer: Reducer) -> None:
-        if self.plan is None and len(reducer.history) >= self.warmup:
+        finished = len(reducer.history)
+        if self.plan is None and finished >= self.warmup:
             self.plan = self._plan(reducer)
             log.info("rank %d: %s", reducer.rank, self.plan)
+        elif self.plan is not None and self.plan.kept is None:
+            since = reducer.iteration - self.plan.planned_at_iteration
+            if since >= self.check:
+                self.plan = self._judge(reducer, self.plan)
+                log.info("rank %d: %s", reducer.rank, self.plan)
+
+    def _judge(self, reducer: Reducer, plan: BucketPlan) -> BucketPlan:
+        recent = [t for t in reducer.history if t.iteration > plan.planned_at_iteration]
+        after = _agreed_max(reducer, [_median_total_ms(recent[-self.check :])])[0]
+        kept = after <= plan.measured_before_ms * (1 + self.tolerance)
+        if not kept:
+            reducer.install_layout(plan.previous_layout)
+        return dataclasses.replace(plan, measured_after_ms=after, kept=kept)
 
     def _plan(self, reducer: Reducer) -> BucketPlan:
         ready = self._agreed_ready_ms(reducer)
@@ -70,10 +96,12 @@ class AutoBuckets:
             [ready[i] for i in order], [nbytes[i] for i in order], cost, [keys[i] for i in order]
         )
         layout = [[order[p] for p in bucket] for bucket in positions]
-        default = predict_finish_ms(ready, nbytes, reducer.bucket_indices, cost)
+        previous = reducer.bucket_indices
+        default = predict_finish_ms(ready, nbytes, previous, cost)
         predicted = predict_finish_ms(ready, nbytes, layout, cost)
+        before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
         reducer.install_layout(layout)
-        return BucketPlan(layout, cost, predicted, default, reducer.iteration)
+        return BucketPlan(layout, cost, predicted, default, reducer.iteration, previous, before)
 
     def _agreed_ready_ms(self, reducer: Reducer) -> list[float]:
         recent = list(reducer.history)[-self.window :]
@@ -82,10 +110,19 @@ class AutoBuckets:
             for t, kind, i in tl.events:
                 if kind in (EventKind.READY, EventKind.UNUSED):
                     per_param[i].append((t - tl.start_ns) * 1e-6)
-        local = [statistics.median(v) if v else 0.0 for v in per_param]
-        agreed = torch.tensor(local, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-        group = reducer.process_group
-        wait(group.allreduce([agreed], opts), "agreement on gradient ready times", group, DEFAULT_TIMEOUT)
-        return agreed.tolist()
+        return _agreed_max(reducer, [statistics.median(v) if v else 0.0 for v in per_param])
+
+
+def _median_total_ms(timelines: list) -> float:
+    totals = [(t.finish_ns - t.start_ns) * 1e-6 for t in timelines if t.finish_ns]
+    return statistics.median(totals) if totals else 0.0
+
+
+def _agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
+    """Each value's maximum over the ranks: the same inputs, hence the same decisions, everywhere."""
+    agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+    group = reducer.process_group
+    wait(group.allreduce([agreed], opts), "agreement on measured timings", group, DEFAULT_TIMEOUT)
+    return agreed.tolist()

@@ -46,16 +46,24 @@ class CostModel:
 
 
 def fit_cost_model(sizes: Sequence[float], times_ms: Sequence[float]) -> CostModel:
-    """Least-squares line through (bytes, ms), with alpha and beta kept non-negative."""
+    """The line through (bytes, ms) with the least *relative* squared error, kept non-negative.
+
+    Relative: probe sizes span orders of magnitude, and a plain least-squares line is pinned by
+    the largest ones, leaving the latency (alpha) to chance; yet alpha is what decides how many
+    buckets pay off.
+    """
     if len(sizes) != len(times_ms) or len(sizes) < 2:
         raise ValueError(f"need at least two (size, time) pairs, got {len(sizes)} and {len(times_ms)}")
-    mean_x, mean_y = statistics.fmean(sizes), statistics.fmean(times_ms)
-    var_x = sum((x - mean_x) ** 2 for x in sizes)
-    if var_x == 0:
+    if len(set(sizes)) < 2:
         raise ValueError("probe sizes must differ")
-    beta = sum((x - mean_x) * (y - mean_y) for x, y in zip(sizes, times_ms)) / var_x
-    beta = max(beta, 0.0)
-    alpha = max(mean_y - beta * mean_x, 0.0)
+    w = [1.0 / max(t, 1e-9) ** 2 for t in times_ms]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes))
+    sy = sum(wi * y for wi, y in zip(w, times_ms))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times_ms))
+    beta = max((sw * sxy - sx * sy) / (sw * sxx - sx * sx), 0.0)
+    alpha = max((sy - beta * sx) / sw, 0.0)
     return CostModel(alpha, beta)
 
 
