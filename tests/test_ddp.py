@@ -51,17 +51,20 @@ def test_find_unused_parameters_matches_torch(world_size, as_view):
     _check("unused_branch", world_size, find_unused_parameters=True, gradient_as_bucket_view=as_view)
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("accumulate_with", ["no_sync", "flag"])
 @pytest.mark.parametrize("find_unused", [False, True])
-def test_gradient_accumulation_matches_torch(accumulate_with, find_unused):
+def test_gradient_accumulation_matches_torch(accumulate_with, find_unused, world_size):
     model = "unused_branch" if find_unused else "mlp"
-    _check(model, 2, per_rank=6, micro_steps=3, accumulate_with=accumulate_with,
+    _check(model, world_size, per_rank=6, micro_steps=3, accumulate_with=accumulate_with,
            find_unused_parameters=find_unused)
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
 def test_gradient_as_bucket_view_matches_torch_and_grads_are_views(set_to_none):
-    _check("mlp", 2, gradient_as_bucket_view=True, set_to_none=set_to_none, bucket_cap_mb=0.001)
+    for world_size in (2, 3):
+        _check("mlp", world_size, gradient_as_bucket_view=True, set_to_none=set_to_none,
+               bucket_cap_mb=0.001)
 
     def body(rank, group):
         model = seeded(lambda: __import__("models").MLP(), 0)

@@ -67,9 +67,53 @@ def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
     assert set(summary) == {"many_small", "convnet"}
     for model in summary.values():
         assert set(model["median_ms"]) == {
-            "torch DDP", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only"
+            "torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned",
+            "no overlap", "compute only",
         }
         assert max(model["max_param_diff_to_torch"].values()) <= 1e-3
         assert model["ratio_to_torch"]["torch DDP"] == 1.0
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "communication floor" in (tmp_path / "bench.md").read_text()
+
+
+def test_ctrl_c_stops_every_rank_of_the_demo(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from gradsync.testing import kill_process_tree
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gradsync.cli", "demo", "--epochs", "100000", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_children(proc.pid)) < 2:
+            time.sleep(0.2)  # wait until both ranks run
+        workers = _children(proc.pid)
+        assert len(workers) >= 2
+        time.sleep(2)
+        os.killpg(proc.pid, signal.SIGINT)  # what a terminal sends on Ctrl-C
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        kill_process_tree(proc.pid)
+    assert proc.returncode != 0
+    assert "interrupted" in out or "SIGINT" in out or "Signal 2" in out, out[-2000:]
+    alive = [pid for pid in workers if os.path.exists(f"/proc/{pid}") and not _zombie(pid)]
+    assert alive == [], f"ranks still running after Ctrl-C: {alive}"
+
+
+def _zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def _children(pid):
+    from gradsync.testing import _descendants
+
+    return _descendants(pid)
