@@ -169,13 +169,10 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
 
 
 def chart(results: dict[str, dict], path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plot import figure, save_figure
 
     names = [v for v in VARIANTS if v != "torch DDP"]  # the A/A bar shows the noise
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, ax = figure(9, 4)
     width = 0.8 / len(names)
     for k, v in enumerate(names):
         ratios = [results[m]["result"].paired_ratio(v, "torch DDP") for m in results]
@@ -184,11 +181,7 @@ def chart(results: dict[str, dict], path: Path) -> Path:
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], list(results))
     ax.set_ylabel("step time / torch DDP's (lower is faster)")
     ax.legend(fontsize="small", ncol=3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -10,18 +10,35 @@ from pathlib import Path
 from .stats import IterationStats
 from .timeline import EventKind, IterationTimeline
 
-__all__ = ["render_overlap_png"]
+__all__ = ["figure", "render_overlap_png", "save_figure"]
 
 
-def render_overlap_png(timelines_by_rank: Sequence[IterationTimeline], path: str | Path) -> Path:
-    """Draw one iteration per rank (`timelines_by_rank[r]` is rank r's) into a PNG file."""
+def figure(width: float, height: float):
+    """A new matplotlib figure and axes, drawn off-screen."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt.subplots(figsize=(width, height))
+
+
+def save_figure(fig, path: str | Path) -> Path:
+    """Lay out, write as PNG (creating the folder) and release `fig`."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def render_overlap_png(timelines_by_rank: Sequence[IterationTimeline], path: str | Path) -> Path:
+    """Draw one iteration per rank (`timelines_by_rank[r]` is rank r's) into a PNG file."""
     ranks = len(timelines_by_rank)
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 1.1 * ranks))
+    fig, ax = figure(10, 1.2 + 1.1 * ranks)
     for rank, tl in enumerate(timelines_by_rank):
         _draw_rank(ax, rank, tl)
     ax.set_yticks([r * 3 + 1 for r in range(ranks)], [f"rank {r}" for r in range(ranks)])
@@ -35,12 +52,7 @@ def render_overlap_png(timelines_by_rank: Sequence[IterationTimeline], path: str
         f"({first.overlap_ratio:.0%} hidden)"
     )
     ax.legend(loc="lower right", fontsize="small")
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _draw_rank(ax, rank: int, tl: IterationTimeline) -> None:

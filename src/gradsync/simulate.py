@@ -150,13 +150,10 @@ def markdown(predictions: Sequence[Prediction]) -> str:
 
 
 def plot(predictions: Sequence[Prediction], path: str | Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from .plot import figure, save_figure
 
     ranks = [p.ranks for p in predictions]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = figure(7, 4)
     for label, attr in [("default", "default_ms"), ("planned", "planned_ms"), ("no overlap", "no_overlap_ms")]:
         ax.plot(ranks, [getattr(p, attr) for p in predictions], marker="o", label=label)
     ax.set_xscale("log", base=2)
@@ -164,9 +161,4 @@ def plot(predictions: Sequence[Prediction], path: str | Path) -> Path:
     ax.set_ylabel("predicted step time (ms)")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
