@@ -174,7 +174,7 @@ class HookChain:
         """The checked tensor of `bucket`'s Future, waiting at most `timeout` for it."""
         where = self.describe(bucket.index)
         name = hook_name(self.hook)
-        self._pump_until_launched(bucket)
+        self._pump_until_launched(bucket, timeout)
         assert bucket.future_done is not None
         if not bucket.future_done.wait(timeout.total_seconds()):
             raise ReductionTimeoutError(
@@ -195,15 +195,21 @@ class HookChain:
             return value
         return _checked(value, bucket, bucket.hook_view.buffer(), name, where)
 
-    def _pump_until_launched(self, bucket: Bucket) -> None:
+    def _pump_until_launched(self, bucket: Bucket, timeout: timedelta) -> None:
         with self._lock:
             self._pump()
         if bucket.future_done is None:  # its predecessor has not completed yet: wait for it
             previous = self.buckets[bucket.index - 1]
             assert previous.future_done is not None
-            previous.future_done.wait()  # bounded: the caller waited for it already
+            # Normally already set (results are taken in order); bounded all the same.
+            previous.future_done.wait(timeout.total_seconds())
             with self._lock:
                 self._pump()
+        if bucket.future_done is None:
+            raise ReductionTimeoutError(
+                f"gradsync: {self.describe(bucket.index)} was never launched: the previous "
+                f"bucket's Future did not complete within {timeout}"
+            )
 
 
 def _checked(value: object, bucket: Bucket, expected: torch.Tensor, name: str, where: str) -> torch.Tensor:

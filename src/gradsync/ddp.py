@@ -25,7 +25,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from .autoplan import AutoBuckets, BucketPlan
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
 from .bucketing import compute_bucket_assignment_by_size as assign_buckets
-from .collectives import all_gather_objects, broadcast_tensors
+from .collectives import DEFAULT_TIMEOUT, all_gather_objects, broadcast_tensors, wait
 from .comm import CommHook
 from .config import ReducerConfig
 from .delayed import DelayedAllReduce
@@ -191,7 +191,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         """Average over the ranks still training, if join(divide_by_initial_world_size=False)."""
         if active_ranks is None or self._divide_by_initial_world_size:
             return None
-        active_ranks.wait()
+        wait(active_ranks, "join: count of ranks still training", self.process_group, DEFAULT_TIMEOUT)
         return int(active_ranks.result()[0].item())
 
     def _should_sync_buffers(self) -> bool:
