@@ -25,11 +25,13 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: timedelt
     try:
         work.wait(timeout)
     except RuntimeError as error:
+        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+        outcome = f"did not complete within {timeout}" if timed_out else "failed"
         raise ReductionTimeoutError(
-            f"gradsync: rank {group.rank()}/{group.size()}: {what} did not complete within "
-            f"{timeout}: {error}\nAnother rank probably failed, stalled, or is not running the "
-            "same code path (e.g. skipped a backward); check its log. If the step is "
-            "legitimately slow, raise the timeout."
+            f"gradsync: rank {group.rank()}/{group.size()}: {what} {outcome}: {error}\n"
+            "Another rank probably failed, stalled, or is not running the same code path (e.g. "
+            "skipped a backward); check its log. If the step is legitimately slow, raise the "
+            "timeout."
         ) from error
 
 

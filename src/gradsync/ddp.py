@@ -29,6 +29,7 @@ from .collectives import DEFAULT_TIMEOUT, all_gather_objects, broadcast_tensors,
 from .comm import CommHook
 from .config import ReducerConfig
 from .delayed import DelayedAllReduce
+from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .log import log
 from .mixed import MixedPrecisionParams
@@ -82,6 +83,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.require_backward_grad_sync = True
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
+        self._divergence_every = 0  # see enable_divergence_check
+        self._syncs = 0
         # "auto": measure, probe the network and plan the layout (gradsync.planner).
         self._auto = AutoBuckets() if bucket_cap_mb == "auto" else None
         self._limits = _bucket_limits(None if self._auto else bucket_cap_mb, bucket_cap_mb_list)  # type: ignore[arg-type]
@@ -177,6 +180,9 @@ class DistributedDataParallel(nn.Module, Joinable):
             output = self.module(*inputs, **kwargs)
             if self._mixed is not None:  # queued first: full precision is back before write-back
                 self._mixed.restore_after_backward(output)
+            if sync and self._divergence_every and self._syncs % self._divergence_every == 0:
+                self.check_parameters_in_sync()
+            self._syncs += sync
             if sync and self.reducer is not None:
                 if self._auto is not None:
                     self._auto.maybe_plan(self.reducer)
@@ -283,6 +289,25 @@ class DistributedDataParallel(nn.Module, Joinable):
         """With bucket_cap_mb="auto": the planned layout and its predicted time (None until
         planned). Compare with `stats()` for the measured one."""
         return self._auto.plan if self._auto is not None else None
+
+    def check_parameters_in_sync(self) -> None:
+        """Raise ParameterDivergenceError on every rank if the replicas differ (a collective:
+        call it on every rank at the same point)."""
+        check_parameters_in_sync(list(self.module.named_parameters()), self.process_group)
+
+    def enable_divergence_check(self, every: int = 100) -> None:
+        """Check that parameters are identical across ranks every `every` synchronised
+        forwards (before the forward runs); 0 turns it off."""
+        if every < 0:
+            raise ValueError(f"every={every} must be >= 0")
+        self._divergence_every = every
+
+    def enable_nan_check(self, enable: bool = True) -> None:
+        """Check every gradient for NaN and Inf before it is communicated; the error names
+        the parameter and the rank."""
+        if self.reducer is None:
+            raise RuntimeError("enable_nan_check: no buckets (all parameters delayed)")
+        self.reducer.check_finite = enable
 
     def report_unused_parameters(self, enable: bool = True) -> None:
         """With find_unused_parameters, record each iteration which parameters each rank left

@@ -42,6 +42,7 @@ from .errors import (
     marked_twice_message,
     unfinished_reduction_message,
 )
+from .guards import check_finite
 from .log import detail_enabled, log
 from .profiling import profiled as _profiled
 from .simulate import Profile
@@ -83,6 +84,7 @@ class Reducer:
         self._watchdog: StallWatchdog | None = None
         self._stall_report = ""
         self.report_unused = False
+        self.check_finite = False  # opt-in: NaN/Inf check of each bucket before it is sent
         self.last_unused_report: dict[str, list[int]] = {}
         self._chain: HookChain | None = None
         reduce_dtype = self.config.reduce_dtype
@@ -388,6 +390,8 @@ class Reducer:
             self._fill_sparse(bucket)
             return
         grads = [p.grad for p in bucket.params]
+        if self.check_finite:
+            check_finite(grads, [self.names[i] for i in bucket.param_indices], self.rank, self.iteration)
         as_view = self.config.gradient_as_bucket_view
         aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, bucket.views)]
         plain = not any(aliased) and not any(g is not None and g.requires_grad for g in grads)
@@ -646,18 +650,18 @@ class Reducer:
         try:
             wait(work, f"iteration {self.iteration}: {what}", self.process_group, self.config.timeout)
         except ReductionTimeoutError as error:
-            if self._watchdog is None or self._stall_report:
+            if self._watchdog is None or self._stall_report or bucket is None:
                 raise
-            # Failed before the watchdog's warning (a peer crashed): report now.
-            raise ReductionTimeoutError(f"{error}\n{self._pending_report()}") from error
+            # Failed before the watchdog's warning (a peer crashed): report now. Buckets are
+            # taken in order, so this one and every later one are still outstanding.
+            report = self._pending_report(self.buckets[bucket.index :])
+            raise ReductionTimeoutError(f"{error}\n{report}") from error
 
-    def _pending_report(self) -> str:
+    def _pending_report(self, outstanding: list[Bucket] | None = None) -> str:
         assert self._watchdog is not None
-        pending = [
-            (b.index, [self.names[i] for i in b.param_indices])
-            for b in self.buckets
-            if not _done_within(b, timedelta(0))
-        ]
+        if outstanding is None:
+            outstanding = [b for b in self.buckets if not _done_within(b, timedelta(0))]
+        pending = [(b.index, [self.names[i] for i in b.param_indices]) for b in outstanding]
         waited = timedelta(seconds=(now_ns() - self._timeline.backward_end_ns) / 1e9)
         return self._watchdog.report(self.iteration, waited, pending)
 

@@ -1,0 +1,90 @@
+"""Opt-in guards against silent failures: ranks whose parameters drifted apart, and gradients
+that are NaN or infinite before they are averaged into everyone else's.
+
+Both raise on the rank(s) concerned with the parameter's name; the divergence check raises the
+same error on every rank, because every rank takes part in it and reaches the same verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .collectives import DEFAULT_TIMEOUT, broadcast_tensors, wait
+from .errors import GradSyncError
+
+__all__ = ["ParameterDivergenceError", "check_finite", "check_parameters_in_sync"]
+
+
+class ParameterDivergenceError(GradSyncError):
+    """Parameters that should be identical on every rank are not."""
+
+
+def check_parameters_in_sync(
+    named: Sequence[tuple[str, torch.Tensor]],
+    group: dist.ProcessGroup,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> None:
+    """Raise ParameterDivergenceError, on every rank, if any parameter differs across ranks.
+
+    Cheap: two all-reduces of two float64 fingerprints per parameter (sum and sum of squares);
+    only when they disagree is the first differing parameter compared in full, to say by how
+    much and on which ranks.
+    """
+    with torch.no_grad():
+        prints = torch.stack(
+            [torch.stack([p.double().sum(), p.double().pow(2).sum()]) for _, p in named]
+        )
+        high, low = prints.clone(), prints.clone()
+        _reduce(group, high, dist.ReduceOp.MAX, timeout)
+        _reduce(group, low, dist.ReduceOp.MIN, timeout)
+        differs = ((high != low).any(dim=1)).nonzero()
+        if len(differs) == 0:
+            return
+        index = int(differs[0].item())
+        name, param = named[index]
+        reference = param.detach().clone()
+        broadcast_tensors(group, [reference], 0, timeout, "divergence check: rank 0's copy")
+        local = (param.detach() - reference).abs().max().double().reshape(1)
+        every = [torch.zeros(1, dtype=torch.float64) for _ in range(group.size())]
+        wait(group.allgather([every], [local]), "divergence check: differences", group, timeout)
+        ranks = [r for r, d in enumerate(every) if d.item() > 0]
+        worst = max(d.item() for d in every)
+    raise ParameterDivergenceError(
+        f"gradsync: parameter {name!r} (shape {list(param.shape)}) differs across ranks: ranks "
+        f"{ranks} differ from rank 0 by up to {worst:.3g} ({len(differs)} parameter(s) differ "
+        "in all). Data-parallel replicas have drifted apart: a rank skipped a step or an "
+        "update, changed parameters outside the optimizer, or used a nondeterministic op whose "
+        "result fed back into the weights. Reload a checkpoint, or re-broadcast rank 0's "
+        "parameters (torch.distributed.broadcast) if that is what you want."
+    )
+
+
+def _reduce(group: dist.ProcessGroup, t: torch.Tensor, op: object, timeout: timedelta) -> None:
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op  # type: ignore[assignment]
+    wait(group.allreduce([t], opts), "divergence check: fingerprints", group, timeout)
+
+
+def check_finite(
+    grads: Sequence[torch.Tensor | None], names: Sequence[str], rank: int, iteration: int
+) -> None:
+    """Raise naming the first gradient with a NaN or an infinity (one fused norm per call)."""
+    present = [(g, n) for g, n in zip(grads, names) if g is not None and not g.is_sparse]
+    if not present:
+        return
+    norms = torch._foreach_norm([g for g, _ in present])
+    if torch.isfinite(torch.stack(norms)).all():
+        return
+    for (grad, name), norm in zip(present, norms):
+        if not torch.isfinite(norm):
+            kind = "NaN" if torch.isnan(grad).any() else "infinite values"
+            raise GradSyncError(
+                f"gradsync: the gradient of {name!r} on rank {rank} holds {kind} in iteration "
+                f"{iteration}, before communication: averaging it would spread it to every "
+                "rank. Lower the learning rate, use gradient clipping or loss scaling, or check "
+                "this rank's input data."
+            )
