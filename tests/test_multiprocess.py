@@ -117,3 +117,23 @@ def _children(pid):
     from gradsync.testing import _descendants
 
     return _descendants(pid)
+
+
+def test_killed_rank_restarts_from_checkpoint_and_ends_exactly_like_an_uninterrupted_run(tmp_path):
+    import torch
+
+    example = os.path.join(os.path.dirname(__file__), "..", "examples", "resume.py")
+    common = ["--steps", "20", "--every", "5"]
+    clean = run_torchrun(example, 2, [*common, "--checkpoint", str(tmp_path / "a.pt"),
+                                      "--out", str(tmp_path / "clean.pt")], timeout=120)
+    assert clean.returncode == 0, clean.stdout
+    killed = run_torchrun(
+        example, 2,
+        [*common, "--kill-at", "12", "--checkpoint", str(tmp_path / "b.pt"), "--out", str(tmp_path / "resumed.pt")],
+        timeout=180, launcher_args=["--standalone", "--max-restarts=1"],
+    )
+    assert killed.returncode == 0, killed.stdout
+    assert "resumed at step 10" in killed.stdout, killed.stdout
+    a, b = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "resumed.pt")
+    for name in a:
+        assert torch.equal(a[name], b[name]), name

@@ -285,6 +285,35 @@ class DistributedDataParallel(nn.Module, Joinable):
             raise RuntimeError("save_timing_profile: no buckets (all parameters delayed)")
         return str(self.reducer.timing_profile().save(path))
 
+    def gradsync_state(self) -> dict[str, Any]:
+        """What to checkpoint besides the model and optimizer: the bucket layout (rebuilt or
+        planned), the planner's verdict and the iteration count. Save it with your checkpoint
+        and hand it to `load_gradsync_state` after a restart, so the run goes on exactly as an
+        uninterrupted one would. (A communication hook's own state, e.g. PowerSGD's error
+        feedback, belongs to the hook's state object: checkpoint that object too.)"""
+        reducer = self.reducer
+        return {
+            "version": 1,
+            "bucket_indices": reducer.bucket_indices if reducer else [],
+            "rebuilt": bool(reducer and not reducer._needs_rebuild),
+            "iterations": reducer.iteration if reducer else 0,
+            "plan": self._auto.plan if self._auto else None,
+            "syncs": self._syncs,
+        }
+
+    def load_gradsync_state(self, state: dict[str, Any]) -> None:
+        """Restore what `gradsync_state` saved (call on every rank, before the first forward)."""
+        if state.get("version") != 1:
+            raise ValueError(f"load_gradsync_state: unknown state version {state.get('version')!r}")
+        reducer = self.reducer
+        if reducer is not None and state["bucket_indices"]:
+            if state["rebuilt"]:
+                reducer.install_layout(state["bucket_indices"])
+            reducer.iteration = state["iterations"]
+        if self._auto is not None and state["plan"] is not None:
+            self._auto.plan = state["plan"]
+        self._syncs = state["syncs"]
+
     def bucket_plan(self) -> BucketPlan | None:
         """With bucket_cap_mb="auto": the planned layout and its predicted time (None until
         planned). Compare with `stats()` for the measured one."""

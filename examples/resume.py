@@ -1,0 +1,77 @@
+"""Training that survives a killed rank: checkpoint, let torchrun restart, resume exactly.
+
+    torchrun --nproc-per-node 2 --max-restarts 1 examples/resume.py --out final.pt
+
+Every `--every` steps rank 0 writes model, optimizer and gradsync state to `--checkpoint`
+(atomically: a temporary file, then a rename). When a rank dies, torch's launcher stops the
+others and starts them all again (`--max-restarts`); each then loads the last checkpoint and goes
+on from its step, with data chosen by step number, so the final parameters are exactly those of
+an uninterrupted run. `--kill-at STEP` makes rank 1 SIGKILL itself at that step on the first
+attempt, to try it.
+"""
+
+import argparse
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+import gradsync
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(16, 32, generator=torch.Generator().manual_seed(step * 100 + rank))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
+    p.add_argument("--checkpoint", default="out/resume/checkpoint.pt")
+    p.add_argument("--kill-at", type=int, default=-1, help="rank 1 SIGKILLs itself at this step (first attempt)")
+    p.add_argument("--out", default="out/resume/final.pt")
+    args = p.parse_args()
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
+    ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=0.005)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = 0
+    if os.path.exists(args.checkpoint):
+        state = torch.load(args.checkpoint, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        ddp.load_gradsync_state(state["gradsync"])
+        start = state["step"]
+        print(f"rank {rank}: resumed at step {start}", flush=True)
+
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    for step in range(start, args.steps):
+        if rank == 1 and step == args.kill_at and first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
+        opt.zero_grad()
+        x = batch(step, rank)
+        torch.nn.functional.mse_loss(ddp(x), x).backward()
+        opt.step()
+        if (step + 1) % args.every == 0:
+            if rank == 0:
+                state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
+                         "gradsync": ddp.gradsync_state(), "step": step + 1}
+                os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
+                torch.save(state, args.checkpoint + ".tmp")
+                os.replace(args.checkpoint + ".tmp", args.checkpoint)
+            dist.barrier()
+    if rank == 0:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        torch.save(model.state_dict(), args.out)
+        print(f"rank 0: finished {args.steps} steps, parameters in {args.out}", flush=True)
+    del ddp
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
