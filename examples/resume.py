@@ -29,7 +29,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
     p.add_argument("--checkpoint", default="out/resume/checkpoint.pt")
-    p.add_argument("--kill-at", type=int, default=-1, help="rank 1 SIGKILLs itself at this step (first attempt)")
+    p.add_argument("--kill-at", type=int, default=-1,
+                   help="rank 1 SIGKILLs itself at this step (on a launcher's first attempt, and "
+                   "only when no checkpoint is there yet to resume from)")
     p.add_argument("--out", default="out/resume/final.pt")
     args = p.parse_args()
 
@@ -48,7 +50,7 @@ def main() -> None:
         start = state["step"]
         print(f"rank {rank}: resumed at step {start}", flush=True)
 
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and start == 0
     for step in range(start, args.steps):
         if rank == 1 and step == args.kill_at and first_attempt:
             os.kill(os.getpid(), signal.SIGKILL)

@@ -9,4 +9,5 @@ for x in torch.randn(100, 8, 10):
     opt.zero_grad()
     model(x).pow(2).mean().backward()                # gradients averaged across ranks here
     opt.step()
+dist.barrier()                                       # nobody tears down while others still send
 dist.destroy_process_group()

@@ -119,7 +119,11 @@ def _children(pid):
     return _descendants(pid)
 
 
-def test_killed_rank_restarts_from_checkpoint_and_ends_exactly_like_an_uninterrupted_run(tmp_path):
+@pytest.mark.timeout(400)
+def test_killed_rank_resumes_from_checkpoint_and_ends_exactly_like_an_uninterrupted_run(tmp_path):
+    # The run is killed and launched again by hand. (Under `--max-restarts`, torch's launcher
+    # does the relaunch; on this loaded 2-core machine its restarted gloo groups sometimes
+    # fail to connect, "connectFullMesh ... Connection refused", so the test does not rely on it.)
     import torch
 
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "resume.py")
@@ -127,13 +131,12 @@ def test_killed_rank_restarts_from_checkpoint_and_ends_exactly_like_an_uninterru
     clean = run_torchrun(example, 2, [*common, "--checkpoint", str(tmp_path / "a.pt"),
                                       "--out", str(tmp_path / "clean.pt")], timeout=120)
     assert clean.returncode == 0, clean.stdout
-    killed = run_torchrun(
-        example, 2,
-        [*common, "--kill-at", "12", "--checkpoint", str(tmp_path / "b.pt"), "--out", str(tmp_path / "resumed.pt")],
-        timeout=180, launcher_args=["--standalone", "--max-restarts=1"],
-    )
-    assert killed.returncode == 0, killed.stdout
-    assert "resumed at step 10" in killed.stdout, killed.stdout
+    resumed_args = [*common, "--checkpoint", str(tmp_path / "b.pt"), "--out", str(tmp_path / "resumed.pt")]
+    killed = run_torchrun(example, 2, [*resumed_args, "--kill-at", "12"], timeout=120)
+    assert killed.returncode != 0 and not (tmp_path / "resumed.pt").exists()
+    again = run_torchrun(example, 2, resumed_args, timeout=120)
+    assert again.returncode == 0, again.stdout
+    assert "resumed at step 10" in again.stdout, again.stdout
     a, b = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "resumed.pt")
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -279,7 +279,7 @@ def test_rank_that_skips_backward_makes_the_other_time_out_not_hang():
             out.sum().backward()
         return "skipped"
 
-    with pytest.raises(RankError, match=r"rank 0.*bucket 0.*did not complete within") as info:
+    with pytest.raises(RankError, match=r"rank 0.*bucket 0.*(did not complete within|failed)") as info:
         run_threaded(body, 2, timeout=30)
     assert isinstance(info.value, RankError) and info.value.rank == 0
     assert "ReductionTimeoutError" in str(info.value)

@@ -98,3 +98,43 @@ def test_a_rank_dying_mid_backward_stops_the_others_with_a_clear_error(how):
     assert info.value.rank == 0, message
     assert "iteration 4" in message and "bucket 0" in message, message
     assert elapsed < 60
+
+
+def test_backward_twice_without_a_forward_is_an_error():
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group)
+        loss = ddp(torch.ones(2, 8)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+
+    with pytest.raises(RankError, match=r"(?s)marked ready for reduction twice.*already been reduced"):
+        run_threaded(body, 2)
+
+
+def test_forward_without_tensors_is_refused_when_the_graph_must_be_walked():
+    class NoTensors(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = torch.nn.Linear(2, 2)
+
+        def forward(self, x):
+            return {"loss_value": self.fc(x).sum().item()}
+
+    def body(rank, group):
+        GradsyncDDP(NoTensors(), process_group=group, find_unused_parameters=True)(torch.ones(1, 2))
+
+    with pytest.raises(RankError, match="forward returned dict with no tensor in it"):
+        run_threaded(body, 1)
+
+
+def test_world_size_one_trains_like_a_plain_module():
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group)
+        ddp(torch.ones(2, 8)).pow(2).sum().backward()
+        return [p.grad.clone() for p in ddp.module.parameters()]
+
+    (grads,) = run_threaded(body, 1)
+    plain = seeded(MODELS["mlp"], 0)
+    plain(torch.ones(2, 8)).pow(2).sum().backward()
+    for g, p in zip(grads, plain.parameters()):
+        assert torch.equal(g, p.grad)

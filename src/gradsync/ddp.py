@@ -29,6 +29,7 @@ from .collectives import DEFAULT_TIMEOUT, all_gather_objects, broadcast_tensors,
 from .comm import CommHook
 from .config import ReducerConfig
 from .delayed import DelayedAllReduce
+from .errors import GradSyncError
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .log import log
@@ -36,6 +37,7 @@ from .mixed import MixedPrecisionParams
 from .reducer import Reducer
 from .stats import Stats
 from .trace import chrome_trace, write_chrome_trace
+from .unused import find_tensors
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
@@ -187,6 +189,14 @@ class DistributedDataParallel(nn.Module, Joinable):
                 if self._auto is not None:
                     self._auto.maybe_plan(self.reducer)
                 wants_outputs = self.find_unused_parameters or self.static_graph
+                if wants_outputs and torch.is_grad_enabled() and not find_tensors(output):
+                    raise GradSyncError(
+                        f"gradsync: forward returned {type(output).__name__} with no tensor in "
+                        "it. With find_unused_parameters=True (or static_graph=True) gradsync "
+                        "walks the autograd graph from forward's output tensors to see which "
+                        "parameters took part. Return the tensors the loss is computed from "
+                        "(in a tuple, list, dict or dataclass is fine)."
+                    )
                 self.reducer.prepare_for_backward(
                     output if wants_outputs else None, divisor=self._divisor(active)
                 )
