@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .errors import ReductionTimeoutError
 
-__all__ = ["all_gather_objects", "broadcast_tensors", "wait"]
+__all__ = ["all_gather_objects", "broadcast_tensors", "wait", "wait_error"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -25,14 +25,21 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: timedelt
     try:
         work.wait(timeout)
     except RuntimeError as error:
-        timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
-        outcome = f"did not complete within {timeout}" if timed_out else "failed"
-        raise ReductionTimeoutError(
-            f"gradsync: rank {group.rank()}/{group.size()}: {what} {outcome}: {error}\n"
-            "Another rank probably failed, stalled, or is not running the same code path (e.g. "
-            "skipped a backward); check its log. If the step is legitimately slow, raise the "
-            "timeout."
-        ) from error
+        raise wait_error(error, what, group, timeout) from error
+
+
+def wait_error(
+    error: Exception, what: str, group: dist.ProcessGroup, timeout: timedelta
+) -> ReductionTimeoutError:
+    """The error for a collective that failed or timed out (built only when one did)."""
+    timed_out = "timed out" in str(error).lower() or "timeout" in str(error).lower()
+    outcome = f"did not complete within {timeout}" if timed_out else "failed"
+    return ReductionTimeoutError(
+        f"gradsync: rank {group.rank()}/{group.size()}: {what} {outcome}: {error}\n"
+        "Another rank probably failed, stalled, or is not running the same code path (e.g. "
+        "skipped a backward); check its log. If the step is legitimately slow, raise the "
+        "timeout."
+    )
 
 
 def all_gather_objects(

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from .bucket import FUSED_COPY_MIN_NUMEL, Bucket
 from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
-from .collectives import broadcast_tensors, wait
+from .collectives import broadcast_tensors, wait_error
 from .comm import CommHook, HookChain, check_hook, hook_name
 from .config import ReducerConfig
 from .errors import (
@@ -143,6 +143,8 @@ class Reducer:
             )
             for b, indices in enumerate(layout)
         ]
+        self._layout = [list(b.param_indices) for b in self.buckets]
+        self._layout_bytes = [b.nbytes for b in self.buckets]
         self._bucket_of: list[Bucket] = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for i in bucket.param_indices:
@@ -232,8 +234,8 @@ class Reducer:
         self._timeline = IterationTimeline(
             iteration=self.iteration,
             start_ns=now_ns(),
-            bucket_indices=self.bucket_indices,
-            bucket_bytes=[b.nbytes for b in self.buckets],
+            bucket_indices=self._layout,  # shared, not copied: a layout is never mutated
+            bucket_bytes=self._layout_bytes,
         )
         self._timeline.forward_start_ns = self._forward_start_ns
         self._chain = self._new_chain()
@@ -643,19 +645,27 @@ class Reducer:
 
     def _wait_work(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
+        try:
+            work.wait(self.config.timeout)
+        except RuntimeError as error:  # the message is built only now, off the normal path
+            raise self._wait_failure(error, what, bucket) from error
+
+    def _wait_failure(
+        self, error: RuntimeError, what: str, bucket: Bucket | None
+    ) -> ReductionTimeoutError:
         if bucket is not None:
             what += f" holding {format_names([self.names[i] for i in bucket.param_indices], 5)}"
         if self._stall_report:
             what += f"\n{self._stall_report}\n"
-        try:
-            wait(work, f"iteration {self.iteration}: {what}", self.process_group, self.config.timeout)
-        except ReductionTimeoutError as error:
-            if self._watchdog is None or self._stall_report or bucket is None:
-                raise
-            # Failed before the watchdog's warning (a peer crashed): report now. Buckets are
-            # taken in order, so this one and every later one are still outstanding.
-            report = self._pending_report(self.buckets[bucket.index :])
-            raise ReductionTimeoutError(f"{error}\n{report}") from error
+        failure = wait_error(
+            error, f"iteration {self.iteration}: {what}", self.process_group, self.config.timeout
+        )
+        if self._watchdog is None or self._stall_report or bucket is None:
+            return failure
+        # Failed before the watchdog's warning (a peer crashed): report now. Buckets are
+        # taken in order, so this one and every later one are still outstanding.
+        report = self._pending_report(self.buckets[bucket.index :])
+        return ReductionTimeoutError(f"{failure}\n{report}")
 
     def _pending_report(self, outstanding: list[Bucket] | None = None) -> str:
         assert self._watchdog is not None
