@@ -9,5 +9,6 @@ for x in torch.randn(100, 8, 10):
     opt.zero_grad()
     model(x).pow(2).mean().backward()                # gradients averaged across ranks here
     opt.step()
-dist.barrier()                                       # nobody tears down while others still send
+print(f"rank {dist.get_rank()}: trained 100 steps", flush=True)
+dist.barrier()                                       # let no rank leave while others still send
 dist.destroy_process_group()
