@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -9,8 +10,11 @@ import time
 import pytest
 import torch
 from models import MODELS
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.errors import GradSyncError
 from gradsync.guards import ParameterDivergenceError
 from gradsync.testing import RankError, run_processes, run_threaded, seeded
 
@@ -138,3 +142,118 @@ def test_world_size_one_trains_like_a_plain_module():
     plain(torch.ones(2, 8)).pow(2).sum().backward()
     for g, p in zip(grads, plain.parameters()):
         assert torch.equal(g, p.grad)
+
+
+def _uneven_no_sync(rank, group):
+    model = seeded(MODELS["mlp"], 0)
+    ddp = GradsyncDDP(model, process_group=group)
+    ddp.enable_stall_watchdog(warn_after=1, timeout=5)
+    for step in range(4):
+        skip = rank == 1 and step == 1  # rank 1 alone accumulates step 1 locally
+        try:
+            with ddp.no_sync() if skip else contextlib.nullcontext():
+                ddp(torch.ones(2, 8) * (step + 1)).sum().backward()
+        except GradSyncError as error:
+            return step, str(error)
+    return "no error"
+
+
+def test_no_sync_on_some_ranks_only_is_detected_at_the_next_sync_on_every_rank():
+    (step0, message0), (step1, message1) = run_threaded(_uneven_no_sync, 2, timeout=30)
+    # Rank 0's sync at step 1 meets rank 1's at step 2 (its first after the no_sync step).
+    assert (step0, step1) == (1, 2)
+    assert message0 == message1
+    assert "rank 0: 1, rank 1: 2" in message0 and "no_sync() was entered on some ranks only" in message0
+
+
+def test_uneven_accumulation_can_be_allowed_and_then_matches_torch_ddp():
+    def body(rank, group, cls):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = cls(model, process_group=group)
+        if cls is GradsyncDDP:
+            ddp.set_accumulation_check(False)
+        micro = 2 if rank == 0 else 1  # rank 0 accumulates two micro-batches per step
+        for step in range(3):
+            for j in range(micro):
+                with ddp.no_sync() if j < micro - 1 else contextlib.nullcontext():
+                    ddp(torch.ones(2, 8) * (step + j + rank)).pow(2).sum().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    ours = run_threaded(body, 2, GradsyncDDP)
+    theirs = run_threaded(body, 2, TorchDDP)
+    for a, b in zip(ours, theirs):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("move", ["cast module", "cast wrapper", "module to meta", "wrapper to meta"])
+def test_a_module_moved_or_cast_after_wrapping_is_refused_with_the_parameter_named(move):
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        ddp(torch.ones(2, 8)).sum().backward()
+        try:
+            target, to = (model if "module" in move else ddp), ("meta" if "meta" in move else torch.float64)
+            target.to(to)
+            ddp(torch.ones(2, 8, dtype=model.net[0].weight.dtype, device=model.net[0].weight.device))
+        except GradSyncError as error:
+            return str(error)
+        return "no error"
+
+    for message in run_threaded(body, 2, timeout=30):
+        assert "parameter 'net.0.weight' was on cpu as torch.float32 when the module was wrapped" in message
+        assert "move or cast the module first, then wrap it" in message
+
+
+def _powersgd_run(rank, group, steps, stop_at, path):
+    """Train with PowerSGD; with `stop_at`, checkpoint there, rebuild everything, resume."""
+
+    def build():
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
+        state = psgd.PowerSGDState(
+            process_group=group, matrix_approximation_rank=1, start_powerSGD_iter=2,
+            min_compression_rate=0.5, use_error_feedback=True, warm_start=True, random_seed=0,
+        )
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return model, ddp, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+    model, ddp, opt = build()
+    for step in range(steps):
+        if step == stop_at:
+            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "gradsync": ddp.gradsync_state()}
+            torch.save(saved, f"{path}.rank{rank}")
+            del model, ddp, opt
+            model, ddp, opt = build()
+            saved = torch.load(f"{path}.rank{rank}", weights_only=False)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+            ddp.load_gradsync_state(saved["gradsync"])
+        opt.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + rank))
+        ddp(x).pow(2).mean().backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_powersgd_error_feedback_is_checkpointed_and_resumes_exactly(tmp_path):
+    straight = run_processes(_powersgd_run, 2, 8, -1, str(tmp_path / "a"), timeout=120)
+    resumed = run_processes(_powersgd_run, 2, 8, 5, str(tmp_path / "b"), timeout=120)
+    for a, b in zip(straight, resumed):
+        for name in a:
+            assert torch.equal(a[name], b[name]), name
+    # Without the hook's state the resumed run differs: the test can tell.
+    state = torch.load(str(tmp_path / "b") + ".rank0", weights_only=False)["gradsync"]["hook_state"]
+    assert state["type"] == "PowerSGDState" and state["fields"]["error_dict"]
+    assert "process_group" not in state["fields"]
+
+
+def test_loading_a_hook_state_without_the_hook_is_refused():
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group)
+        state = {"version": 2, "bucket_indices": [], "rebuilt": False, "iterations": 0, "plan": None,
+                 "syncs": 0, "hook_state": {"type": "PowerSGDState", "fields": {}}}
+        ddp.load_gradsync_state(state)
+
+    with pytest.raises(RankError, match="holds the state of a PowerSGDState hook, but no hook is registered"):
+        run_threaded(body, 2)

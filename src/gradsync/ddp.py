@@ -12,6 +12,7 @@ with torch's layout policy: one bucket for the first iteration, rebuilt in gradi
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
@@ -87,6 +88,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._divide_by_initial_world_size = True
         self._divergence_every = 0  # see enable_divergence_check
         self._syncs = 0
+        self._micro_steps = 0  # forwards with grad since the last synchronised one
         # "auto": measure, probe the network and plan the layout (gradsync.planner).
         self._auto = AutoBuckets() if bucket_cap_mb == "auto" else None
         self._limits = _bucket_limits(None if self._auto else bucket_cap_mb, bucket_cap_mb_list)  # type: ignore[arg-type]
@@ -102,6 +104,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._delayed is not None:
                 self._delayed.broadcast_from_rank0()
         self.reducer = self._build_reducer() if self._named_params else None
+        self._placement = _Placement(module, self._named_params)
+        self._placement.dtype_swaps = self._mixed is not None
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
             self.process_group.rank(), self.process_group.size(), len(self._named_params),
@@ -166,6 +170,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         # The order of collectives here is mirrored by a joined rank's DDPJoinHook.main_hook.
         with torch.autograd.profiler.record_function("gradsync.DistributedDataParallel.forward"):
             sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+            self._placement.check(sample=True)
             if self.reducer is not None:
                 self.reducer.prepare_for_forward()
             if self._delayed is not None:
@@ -185,6 +190,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if sync and self._divergence_every and self._syncs % self._divergence_every == 0:
                 self.check_parameters_in_sync()
             self._syncs += sync
+            self._micro_steps += torch.is_grad_enabled()
             if sync and self.reducer is not None:
                 if self._auto is not None:
                     self._auto.maybe_plan(self.reducer)
@@ -198,8 +204,12 @@ class DistributedDataParallel(nn.Module, Joinable):
                         "(in a tuple, list, dict or dataclass is fine)."
                     )
                 self.reducer.prepare_for_backward(
-                    output if wants_outputs else None, divisor=self._divisor(active)
+                    output if wants_outputs else None,
+                    divisor=self._divisor(active),
+                    micro_steps=self._micro_steps,
                 )
+            if sync:
+                self._micro_steps = 0
             self.require_forward_param_sync = sync
             return output
 
@@ -297,23 +307,26 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     def gradsync_state(self) -> dict[str, Any]:
         """What to checkpoint besides the model and optimizer: the bucket layout (rebuilt or
-        planned), the planner's verdict and the iteration count. Save it with your checkpoint
-        and hand it to `load_gradsync_state` after a restart, so the run goes on exactly as an
-        uninterrupted one would. (A communication hook's own state, e.g. PowerSGD's error
-        feedback, belongs to the hook's state object: checkpoint that object too.)"""
+        planned), the planner's verdict, the iteration count and the registered communication
+        hook's state (e.g. PowerSGD's error feedback, low-rank memories and random generator;
+        its process group is left out). Save it with your checkpoint and hand it to
+        `load_gradsync_state` after a restart, after registering the same hook, so the run goes
+        on exactly as an uninterrupted one would."""
         reducer = self.reducer
         return {
-            "version": 1,
+            "version": 2,
             "bucket_indices": reducer.bucket_indices if reducer else [],
             "rebuilt": bool(reducer and not reducer._needs_rebuild),
             "iterations": reducer.iteration if reducer else 0,
             "plan": self._auto.plan if self._auto else None,
             "syncs": self._syncs,
+            "hook_state": _hook_state_to_save(reducer),
         }
 
     def load_gradsync_state(self, state: dict[str, Any]) -> None:
-        """Restore what `gradsync_state` saved (call on every rank, before the first forward)."""
-        if state.get("version") != 1:
+        """Restore what `gradsync_state` saved (call on every rank, before the first forward,
+        after `register_comm_hook` if the run used a hook)."""
+        if state.get("version") not in (1, 2):
             raise ValueError(f"load_gradsync_state: unknown state version {state.get('version')!r}")
         reducer = self.reducer
         if reducer is not None and state["bucket_indices"]:
@@ -323,6 +336,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self._auto is not None and state["plan"] is not None:
             self._auto.plan = state["plan"]
         self._syncs = state["syncs"]
+        _restore_hook_state(reducer, state.get("hook_state"))
 
     def bucket_plan(self) -> BucketPlan | None:
         """With bucket_cap_mb="auto": the planned layout and its predicted time (None until
@@ -347,6 +361,14 @@ class DistributedDataParallel(nn.Module, Joinable):
         if self.reducer is None:
             raise RuntimeError("enable_nan_check: no buckets (all parameters delayed)")
         self.reducer.check_finite = enable
+
+    def set_accumulation_check(self, enabled: bool) -> None:
+        """On by default: every synchronisation compares, across ranks, how many forward
+        passes it covers, and raises if they differ (no_sync() entered on some ranks only).
+        Turn it off (on every rank) if ranks accumulating different numbers of micro-batches
+        is intended; it saves one tiny all-reduce per iteration."""
+        if self.reducer is not None:
+            self.reducer.check_accumulation = enabled and self.process_group.size() > 1
 
     def report_unused_parameters(self, enable: bool = True) -> None:
         """With find_unused_parameters, record each iteration which parameters each rank left
@@ -402,6 +424,12 @@ class DistributedDataParallel(nn.Module, Joinable):
     def join_process_group(self) -> dist.ProcessGroup:
         return self.process_group
 
+    def _apply(self, fn: Any, recurse: bool = True) -> DistributedDataParallel:
+        # ddp.to(...), ddp.double(), ...: buckets cannot follow the parameters; say so now.
+        result = super()._apply(fn, recurse)
+        self._placement.check(sample=False)
+        return result
+
     # ------------------------------------------------------------------------- pickling
 
     def __getstate__(self) -> dict[str, Any]:
@@ -409,6 +437,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         state.pop("process_group", None)
         state.pop("reducer", None)
         state.pop("_delayed", None)
+        state.pop("_placement", None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -416,9 +445,81 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = _default_group()
         self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args, self.process_group)
         self.reducer = self._build_reducer() if self._named_params else None
+        self._placement = _Placement(self.module, self._named_params)
+        self._placement.dtype_swaps = self._mixed is not None
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+class _Placement:
+    """Where the wrapped parameters were: buckets live on their device and in their dtype, so
+    a module moved or cast after wrapping must be refused, not half-synchronised."""
+
+    SAMPLE = 4  # checked on every forward: the first and last few (a whole-module move)
+
+    def __init__(self, module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+        owners = dict(module.named_modules())
+        self.entries = []
+        for name, param in named:
+            owner, _, attr = name.rpartition(".")
+            self.entries.append((name, owners[owner], attr, param, param.device, param.dtype))
+        k = self.SAMPLE
+        self.sample = self.entries if len(self.entries) <= 2 * k else self.entries[:k] + self.entries[-k:]
+        self.dtype_swaps = False  # mixed precision swaps dtypes per forward, on purpose
+
+    def check(self, sample: bool) -> None:
+        for name, owner, attr, param, device, dtype in self.sample if sample else self.entries:
+            current = owner._parameters.get(attr)
+            if current is not param:
+                self._refuse(name, f"was replaced by a new tensor ({_where(current)})", device, dtype)
+            if param.device != device or (param.dtype != dtype and not self.dtype_swaps):
+                self._refuse(name, f"is now {_where(param)}", device, dtype)
+
+    @staticmethod
+    def _refuse(name: str, now: str, device: torch.device, dtype: torch.dtype) -> None:
+        raise GradSyncError(
+            f"gradsync: parameter {name!r} was on {device} as {dtype} when the module was "
+            f"wrapped and {now}: the module was moved or cast after wrapping. gradsync's "
+            "gradient buckets were allocated for the parameters as they were, so they can no "
+            "longer be synchronised.\nFix: move or cast the module first, then wrap it: "
+            "model.to(device); ddp = gradsync.DistributedDataParallel(model, ...)."
+        )
+
+
+def _hook_state_to_save(reducer: Reducer | None) -> dict[str, Any] | None:
+    """The registered hook's state object as a dict of its fields (copied: the hook keeps
+    changing its tensors in place), without process groups, which cannot be saved."""
+    if reducer is None or reducer._comm_hook is None:
+        return None
+    state = reducer._comm_hook[0]
+    if state is None or isinstance(state, dist.ProcessGroup):
+        return None
+    # PowerSGDState's __getstate__ drops its process group itself.
+    fields: Any = state.__getstate__()  # type: ignore[attr-defined]
+    if not isinstance(fields, dict):  # a __slots__ object without its own __getstate__
+        fields = {k: getattr(state, k) for k in getattr(type(state), "__slots__", ())}
+    kept = {k: v for k, v in fields.items() if not isinstance(v, dist.ProcessGroup)}
+    return {"type": type(state).__qualname__, "fields": copy.deepcopy(kept)}
+
+
+def _restore_hook_state(reducer: Reducer | None, saved: dict[str, Any] | None) -> None:
+    if saved is None:
+        return
+    state = reducer._comm_hook[0] if reducer is not None and reducer._comm_hook else None
+    if state is None or type(state).__qualname__ != saved["type"]:
+        raise ValueError(
+            f"load_gradsync_state: the checkpoint holds the state of a {saved['type']} hook, but "
+            f"{'no hook' if state is None else f'a {type(state).__qualname__}'} is registered. "
+            "Call register_comm_hook with the same kind of state before load_gradsync_state."
+        )
+    for name, value in saved["fields"].items():
+        setattr(state, name, value)
+
+
+def _where(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"on {t.device} as {t.dtype}"
+
 
 
 def _resolve_group(group: dist.ProcessGroup | None, mesh: Any) -> dist.ProcessGroup:

@@ -9,6 +9,7 @@ __all__ = [
     "ReductionTimeoutError",
     "format_names",
     "marked_twice_message",
+    "uneven_accumulation_message",
     "unfinished_reduction_message",
 ]
 
@@ -76,4 +77,20 @@ def unfinished_reduction_message(
         "gradsync: a new iteration started before the previous one finished reducing "
         f"gradients. {detail} Their buckets never filled, so the gradients were not "
         f"all-reduced.\nFixes:\n{numbered}"
+    )
+
+
+def uneven_accumulation_message(micro_steps: Sequence[int], iteration: int) -> str:
+    per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(micro_steps) if n > 0)
+    return (
+        f"gradsync: ranks synchronised different numbers of micro-steps in iteration "
+        f"{iteration} (forward passes since each rank's previous synchronisation: {per_rank}). "
+        "no_sync() was entered on some ranks only, so this all-reduce mixed gradients of "
+        "different steps (the gradients were not written back), and the rank that skipped a "
+        "synchronisation would leave the others waiting at the end.\n"
+        "Fixes:\n"
+        "  1. Enter no_sync() (or set require_backward_grad_sync=False) on every rank for the "
+        "same micro-steps, e.g. from the step number, not from rank-local data.\n"
+        "  2. If each rank accumulating a different number of micro-batches is intended, "
+        "call ddp.set_accumulation_check(False) on every rank."
     )

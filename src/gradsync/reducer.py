@@ -40,6 +40,7 @@ from .errors import (
     ReductionTimeoutError,
     format_names,
     marked_twice_message,
+    uneven_accumulation_message,
     unfinished_reduction_message,
 )
 from .guards import check_finite
@@ -85,6 +86,10 @@ class Reducer:
         self._stall_report = ""
         self.report_unused = False
         self.check_finite = False  # opt-in: NaN/Inf check of each bucket before it is sent
+        # On by default: ranks compare how many micro-steps each synchronisation covers, so
+        # no_sync() entered on some ranks only is an error at once, not silently mixed steps.
+        self.check_accumulation = self.world_size > 1
+        self._micro_steps = 1
         self.last_unused_report: dict[str, list[int]] = {}
         self._chain: HookChain | None = None
         reduce_dtype = self.config.reduce_dtype
@@ -208,12 +213,16 @@ class Reducer:
 
     # ------------------------------------------------------------------ iteration lifecycle
 
-    def prepare_for_backward(self, outputs: object = None, divisor: int | None = None) -> None:
+    def prepare_for_backward(
+        self, outputs: object = None, divisor: int | None = None, micro_steps: int = 1
+    ) -> None:
         """Start a synchronised iteration; call from forward with its outputs.
 
         With find_unused_parameters, parameters not reachable from `outputs` will be marked
         ready as soon as backward starts. Gradients are averaged over `divisor` ranks (default:
         the group size; fewer when ranks have joined early and the caller says so).
+        `micro_steps` counts the forwards this synchronisation covers (1 + those under no_sync);
+        every rank must cover the same number (see `check_accumulation`).
         """
         self._check_prior_reduction_finished()
         if self._needs_rebuild and self.history:
@@ -225,6 +234,7 @@ class Reducer:
             self._watchdog.mark_progress(self.iteration)
         self._divisor = divisor or self.world_size
         self._inv_divisor = 1.0 / self._divisor
+        self._micro_steps = micro_steps
         if self._find_unused:
             reached = reachable_parameters(find_tensors(outputs))
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
@@ -262,6 +272,7 @@ class Reducer:
         self._next_bucket = 0
         self._used_work: dist.Work | None = None
         self._used_map: torch.Tensor | None = None
+        self._accumulation: tuple[torch.Tensor, dist.Work] | None = None
         for bucket in self.buckets:
             bucket.reset()
 
@@ -474,6 +485,8 @@ class Reducer:
     def _start_ready_buckets(self) -> None:
         """Launch, strictly in order, every bucket that is full and not yet launched."""
         buckets, events = self.buckets, self._timeline.events
+        if self._next_bucket == 0 and self.check_accumulation and self._accumulation is None:
+            self._start_accumulation_check()  # first, so every rank issues it at the same point
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             bucket = buckets[self._next_bucket]
             bucket.payload = self._payload(bucket)
@@ -509,6 +522,7 @@ class Reducer:
         try:
             with torch.no_grad(), _profiled("gradsync.finish_backward"):
                 self._wait_buckets()
+                self._finish_accumulation_check()
                 used = self._finish_used_map_reduction()
                 if self._static:  # the first iteration's global used map holds for good
                     used = self._static_used = used if used is not None else self._static_used
@@ -643,6 +657,23 @@ class Reducer:
         }
         return [sum(m[i] for m in per_rank) for i in range(len(self.names))]
 
+    def _start_accumulation_check(self, micro_steps: int | None = None) -> None:
+        """All-reduce one slot per rank holding its micro-step count (a joined rank: 0)."""
+        counts = torch.zeros(self.world_size, dtype=torch.int64, device=self.buckets[0].buffer.device)
+        counts[self.rank] = self._micro_steps if micro_steps is None else micro_steps
+        self._accumulation = (counts, self.process_group.allreduce([counts]))
+
+    def _finish_accumulation_check(self) -> None:
+        if self._accumulation is None:
+            return
+        counts, work = self._accumulation
+        self._accumulation = None
+        self._wait_work(work, "all-reduce of the ranks' micro-step counts")
+        per_rank = counts.tolist()
+        active = {c for c in per_rank if c > 0}  # 0: a joined rank, which has no say
+        if len(active) > 1:
+            raise GradSyncError(uneven_accumulation_message(per_rank, self.iteration))
+
     def _wait_work(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
         try:
@@ -682,6 +713,9 @@ class Reducer:
         iteration of the ranks still training: contribute zeros to every bucket, in order."""
         if self._needs_rebuild and self.history:
             self._rebuild_buckets()
+        if self.check_accumulation:
+            self._start_accumulation_check(micro_steps=0)
+            self._finish_accumulation_check()
         if self._comm_hook is not None:
             self._shadow_hooks()
             return
