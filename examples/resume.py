@@ -35,7 +35,7 @@ def main() -> None:
     p.add_argument("--out", default="out/resume/final.pt")
     args = p.parse_args()
 
-    dist.init_process_group("gloo")
+    gradsync.init_process_group("gloo")  # torch's, with restart attempts kept apart
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))

@@ -8,6 +8,7 @@ from .bucketing import compute_bucket_assignment_by_size
 from .config import ReducerConfig
 from .ddp import DistributedDataParallel, exclude_from_sync
 from .errors import GradSyncError, ReductionTimeoutError
+from .launch import init_process_group
 from .log import configure_from_env
 from .reducer import Reducer
 from .stats import BucketStats, IterationStats, Stats
@@ -30,6 +31,7 @@ __all__ = [
     "ReductionTimeoutError",
     "compute_bucket_assignment_by_size",
     "exclude_from_sync",
+    "init_process_group",
 ]
 
 __version__ = "0.1.0"
