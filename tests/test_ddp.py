@@ -9,7 +9,7 @@ import io
 import pytest
 import torch
 import torch.distributed as dist
-from models import make_batches
+from models import MODELS, make_batches
 from parity import assert_records_equal, train_single, train_wrapper
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -469,3 +469,27 @@ def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(redu
         want = sum((r[name].to(reduce_dtype) * 0.5).to(reduce_dtype) for r in per_rank).float()
         torch.testing.assert_close(ours[0][name], want, msg=name, rtol=0, atol=0)
         torch.testing.assert_close(ours[0][name], ours[1][name], rtol=0, atol=0)
+
+
+def test_late_gradient_through_the_wrapper_is_still_an_error():
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(_CheckpointedShared, 0), process_group=group)
+        ddp(torch.ones(2, 8)).sum().backward()
+
+    with pytest.raises(RankError, match=r"(?s)'shared\.(weight|bias)'.*marked ready for reduction twice"):
+        run_threaded(body, 2)
+
+
+def test_backward_through_the_unwrapped_module_after_a_step_is_local_as_under_torch():
+    def body(rank, group, cls):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = cls(model, process_group=group)
+        ddp(torch.ones(2, 8)).sum().backward()
+        model.zero_grad()
+        model(torch.full((2, 8), float(rank + 1))).sum().backward()  # no wrapper: no sync
+        return [p.grad.clone() for p in model.parameters()]
+
+    ours, theirs = run_threaded(body, 2, GradsyncDDP), run_threaded(body, 2, TorchDDP)
+    for a, b in zip(ours, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(ours[0][0], ours[1][0])  # each rank kept its own gradient

@@ -102,6 +102,9 @@ def test_many_gradients_are_merged_into_atoms_and_planned_quickly():
 # ------------------------------------------------------------------ on real groups
 
 
+STEPS = 24  # 3 to measure, then the trial: 3 rounds of up to 3 layouts x 2 iterations, then decided
+
+
 def _auto_vs_torch(rank, group, model_name):
     import torch
     from models import make_batches
@@ -110,7 +113,7 @@ def _auto_vs_torch(rank, group, model_name):
 
     from gradsync import DistributedDataParallel as GradsyncDDP
 
-    batches = make_batches(7, group.size())
+    batches = make_batches(STEPS, group.size())
     plans = []
 
     class Recording(GradsyncDDP):
@@ -134,7 +137,8 @@ def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
 
     results = run_threaded(_auto_vs_torch, 2, model_name, timeout=120)
     (ours0, theirs0, plan0, none0), (ours1, _, plan1, _) = results
-    assert none0 == [True] * 3 + [False] * 4  # planned before the 4th iteration's backward
+    assert none0 == [True] * 3 + [False] * (STEPS - 3)  # planned before the 4th iteration's backward
+    assert plan0.kept is not None and plan0.chosen == plan1.chosen  # the trial decided, alike
     assert plan0.layout == plan1.layout  # the same on every rank
     assert plan0.cost == plan1.cost
     assert plan0.predicted_finish_ms <= plan0.default_finish_ms + 1e-9
@@ -151,7 +155,8 @@ def _forced_revert(rank, group):
     from gradsync.testing import seeded
 
     ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
-    ddp._auto.check, ddp._auto.tolerance = 2, -1.0  # any measurement counts as slower
+    ddp._auto.rounds, ddp._auto.per_slot = 1, 1
+    ddp._auto.margin = 10.0  # no candidate can be faster enough: the current layout stays
     layouts = []
     for _ in range(8):
         ddp(torch.ones(4, 8)).sum().backward()
@@ -164,7 +169,59 @@ def test_a_plan_measured_slower_is_reverted_on_every_rank():
 
     (plan0, layouts0), (plan1, layouts1) = run_threaded(_forced_revert, 2)
     assert plan0.kept is False and plan1.kept is False
-    assert plan0.measured_after_ms == plan1.measured_after_ms  # agreed, so decided alike
+    assert plan0.trial_ms == plan1.trial_ms  # agreed, so decided alike
+    assert set(plan0.trial_ms) >= {"current", "planned"}
     assert layouts0 == layouts1
-    assert layouts0[-1] == plan0.previous_layout
+    # The trial ran each candidate for one iteration, then went back to the current layout.
+    assert plan0.layout in layouts0[3:6] and layouts0[-1] == plan0.previous_layout
     assert "reverted" in str(plan0)
+
+
+def _drifting(rank, group):
+    import torch
+    from models import MODELS
+
+    from gradsync import DistributedDataParallel as GradsyncDDP
+    from gradsync.testing import seeded
+
+    ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+    auto = ddp._auto
+    auto.rounds, auto.per_slot, auto.drift_every, auto.max_replans = 1, 1, 2, 2
+    auto.drift = -1.0  # any change counts as drift
+    replans = []
+    for _ in range(30):
+        ddp(torch.ones(4, 8)).sum().backward()
+        replans.append(ddp.bucket_plan().replans if ddp.bucket_plan() else None)
+    return replans, ddp.bucket_plan(), ddp.reducer.bucket_indices
+
+
+def test_drifting_timings_replan_identically_on_every_rank_at_most_max_replans_times():
+    from gradsync.testing import run_threaded
+
+    (replans0, plan0, layout0), (replans1, plan1, layout1) = run_threaded(_drifting, 2)
+    assert replans0 == replans1 and layout0 == layout1
+    assert plan0.replans == 2 and plan0.kept is not None  # planned 3 times in all, then settled
+    assert sorted(set(r for r in replans0 if r is not None)) == [0, 1, 2]
+
+
+def test_forward_without_backward_during_the_trial_repeats_the_slot():
+    from gradsync.testing import run_threaded
+
+    def body(rank, group):
+        import torch
+        from models import MODELS
+
+        from gradsync import DistributedDataParallel as GradsyncDDP
+        from gradsync.testing import seeded
+
+        ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+        ddp._auto.rounds, ddp._auto.per_slot = 1, 1
+        for step in range(12):
+            out = ddp(torch.ones(4, 8))
+            if step != 4:  # a forward whose output is never backpropagated, mid-trial
+                out.sum().backward()
+        return ddp.bucket_plan()
+
+    plan0, plan1 = run_threaded(body, 2)
+    assert plan0.kept is not None and plan0.trial_ms == plan1.trial_ms
+    assert all(ms > 0 for ms in plan0.trial_ms.values())

@@ -73,3 +73,29 @@ def test_cli_refuses_bad_values(tmp_path):
         cli(["simulate", "--profile", "x.json", "--ranks", "2,zero"])
     with pytest.raises(SystemExit, match="x.json"):
         cli(["simulate", "--profile", str(tmp_path / "x.json")])
+
+
+def test_network_from_a_probed_cost_gives_that_cost_back():
+    from gradsync.planner import CostModel
+
+    measured = CostModel(0.2, 3e-7)
+    for algorithm in ("ring", "tree"):
+        back = Network.from_cost(measured, 4, algorithm).cost(4)
+        assert back.alpha_ms == pytest.approx(measured.alpha_ms)
+        assert back.beta_ms_per_byte == pytest.approx(measured.beta_ms_per_byte)
+
+
+def test_a_shared_host_stretches_compute_relative_to_the_recorded_run():
+    from dataclasses import replace
+
+    from gradsync.simulate import Host
+
+    host = Host(ranks=4, cores=2)
+    assert [host.stretch(n) for n in (1, 2, 3, 4, 8)] == [1.0, 1.0, 1.5, 2.0, 2.0]
+    recorded_at_2 = replace(PROFILE, world_size=2)
+    net = Network(1000.0, 0.0)  # communication nearly free: the step is compute
+    (two, four) = simulate(recorded_at_2, net, [2, 4], host)
+    assert four.compute_ms == pytest.approx(2 * two.compute_ms)
+    assert simulate(recorded_at_2, net, [4])[0].compute_ms == pytest.approx(two.compute_ms)  # no host
+    with pytest.raises(ValueError, match="at least one rank and one core"):
+        Host(ranks=2, cores=0)

@@ -1,8 +1,18 @@
-"""`bucket_cap_mb="auto"`: measure a few iterations, probe the network, plan, rebuild once.
+"""`bucket_cap_mb="auto"`: measure, plan, try the plan against the current layout, keep the faster.
 
-Every rank plans from the same inputs: per-parameter ready times are all-reduced (the slowest
-rank's, since it decides when a bucket can go) and the cost model is agreed in the probe, so the
-deterministic planner gives every rank the same layout without sending the layout itself.
+1. After `warmup` synchronised iterations (the first rebuild included) every rank plans from the
+   same inputs: per-parameter ready times are all-reduced (the slowest rank's, since it decides
+   when a bucket can go) and the cost model is agreed in the probe, so the deterministic planner
+   gives every rank the same layout without sending the layout itself. Two candidates come out:
+   the plan under the probed cost, and a coarser one under a four-times latency (on a host whose
+   cores are busy with backward, each extra collective costs more than an idle probe shows).
+2. A trial interleaves the candidates with the current layout, round after round, a few
+   iterations each (the first after a switch is not counted). Training goes on meanwhile: a
+   layout changes where gradients are summed, never what is summed.
+3. The layout with the lowest median (agreed across ranks) is installed: never one measured
+   slower than the current. The cost model knows nothing of CPU contention; the trial does.
+4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
+   just after the decision, the whole thing runs again (at most `max_replans` times).
 """
 
 from __future__ import annotations
@@ -17,91 +27,174 @@ from .collectives import DEFAULT_TIMEOUT, wait
 from .log import log
 from .planner import CostModel, plan_buckets, predict_finish_ms, probe_cost_model
 from .reducer import Reducer
-from .timeline import EventKind
+from .timeline import EventKind, IterationTimeline
 
 __all__ = ["AutoBuckets", "BucketPlan"]
+
+CURRENT, PLANNED, COARSE = "current", "planned", "coarse"
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketPlan:
-    """A planned layout and what the cost model predicted for it."""
+    """A planned layout, what the cost model predicted for it and what the trial measured."""
 
     layout: list[list[int]]
     cost: CostModel
     predicted_finish_ms: float
     """Predicted time from the end of forward until the last all-reduce finishes."""
     default_finish_ms: float
-    """The same prediction for the layout it replaced."""
+    """The same prediction for the layout it would replace."""
     planned_at_iteration: int
     previous_layout: list[list[int]]
     measured_before_ms: float
     """Median time from the end of forward until gradients were written back, before."""
     measured_after_ms: float | None = None
-    """The same after planning (None until checked)."""
+    """The same for the layout chosen by the trial (None until decided)."""
     kept: bool | None = None
-    """Whether the plan stayed (None until checked; False: measured slower, reverted)."""
+    """Whether a new layout replaced the previous one (None until decided)."""
+    trial_ms: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Median measured time per candidate layout in the trial (agreed across ranks)."""
+    chosen: str | None = None
+    replans: int = 0
+    """How many times timings drifted and the plan was made again before this one."""
 
     def __str__(self) -> str:
-        verdict = {None: "not yet checked", True: "kept", False: "reverted: measured slower"}[self.kept]
+        if self.kept is None:
+            verdict = "trial running"
+        elif self.kept:
+            verdict = f"kept the {self.chosen} layout"
+        else:
+            verdict = "reverted: the current layout measured fastest"
         after = f"{self.measured_after_ms:.3f}" if self.measured_after_ms is not None else "?"
+        trial = ", ".join(f"{k} {v:.3f}" for k, v in self.trial_ms.items())
         return (
             f"planned {len(self.layout)} buckets (was {len(self.previous_layout)}) at iteration "
             f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
             f"{self.default_finish_ms:.3f} ms; measured {after} ms vs "
-            f"{self.measured_before_ms:.3f} ms ({verdict}); all-reduce ≈ "
-            f"{self.cost.alpha_ms:.3f} ms + {self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
+            f"{self.measured_before_ms:.3f} ms ({verdict}; trial medians ms: {trial or '-'}); "
+            f"all-reduce ≈ {self.cost.alpha_ms:.3f} ms + "
+            f"{self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
         )
+
+
+@dataclasses.dataclass
+class _Trial:
+    """Which candidate each coming iteration runs, and the times measured so far."""
+
+    layouts: dict[str, list[list[int]]]
+    schedule: list[str]
+    samples: dict[str, list[float]]
+    position: int = 0
+    running: int | None = None  # reducer iteration the last scheduled slot started
 
 
 class AutoBuckets:
-    """Plans once, after `warmup` finished synchronised iterations (the first rebuild included),
-    then checks the plan against measurement after `check` more and reverts it if it was slower
-    (the model knows nothing of, say, gloo threads competing with backward for the cores)."""
+    """Plan after `warmup` iterations, trial the candidates for `rounds` rounds of `per_slot`
+    iterations each, keep the fastest; watch for drift every `drift_every` iterations."""
 
-    def __init__(self, warmup: int = 3, window: int = 2, check: int = 4, tolerance: float = 0.02) -> None:
-        self.warmup, self.window, self.check, self.tolerance = warmup, window, check, tolerance
+    def __init__(
+        self,
+        warmup: int = 3,
+        window: int = 2,
+        rounds: int = 3,
+        per_slot: int = 2,
+        margin: float = 0.01,
+        drift: float = 0.3,
+        drift_every: int = 50,
+        max_replans: int = 2,
+    ) -> None:
+        self.warmup, self.window, self.rounds, self.per_slot = warmup, window, rounds, per_slot
+        self.margin, self.drift, self.drift_every, self.max_replans = margin, drift, drift_every, max_replans
         self.plan: BucketPlan | None = None
+        self._trial: _Trial | None = None
+        self._baseline_ms: float | None = None
+        self._watched_at = 0
 
     def maybe_plan(self, reducer: Reducer) -> None:
-        finished = len(reducer.history)
-        if self.plan is None and finished >= self.warmup:
-            self.plan = self._plan(reducer)
-            log.info("rank %d: %s", reducer.rank, self.plan)
-        elif self.plan is not None and self.plan.kept is None:
-            since = reducer.iteration - self.plan.planned_at_iteration
-            if since >= self.check:
-                self.plan = self._judge(reducer, self.plan)
-                log.info("rank %d: %s", reducer.rank, self.plan)
+        """Call at every synchronised forward, before the reducer prepares the iteration."""
+        if self._trial is not None:
+            self._advance_trial(reducer, self._trial)
+        elif self.plan is None:
+            if len(reducer.history) >= self.warmup:
+                self._start(reducer)
+        elif reducer.iteration - self._watched_at >= self.drift_every:
+            self._watch(reducer)
 
-    def _judge(self, reducer: Reducer, plan: BucketPlan) -> BucketPlan:
-        recent = [t for t in reducer.history if t.iteration > plan.planned_at_iteration]
-        after = _agreed_max(reducer, [_median_total_ms(recent[-self.check :])])[0]
-        kept = after <= plan.measured_before_ms * (1 + self.tolerance)
-        if not kept:
-            reducer.install_layout(plan.previous_layout)
-        return dataclasses.replace(plan, measured_after_ms=after, kept=kept)
+    # --------------------------------------------------------------------------- plan
 
-    def _plan(self, reducer: Reducer) -> BucketPlan:
+    def _start(self, reducer: Reducer) -> None:
         ready = self._agreed_ready_ms(reducer)
         device = reducer.buckets[0].buffer.device
         cost = probe_cost_model(reducer.process_group, reducer.buckets[0].buffer.dtype, device)
-        n = len(reducer.params)
-        order = sorted(range(n), key=lambda i: (ready[i], i))
         nbytes = [p.numel() * p.element_size() for p in reducer.params]
-        keys = [
-            ("sparse", i) if reducer.expect_sparse_gradient[i] else (p.dtype, p.device)
-            for i, p in enumerate(reducer.params)
-        ]
-        positions = plan_buckets(
-            [ready[i] for i in order], [nbytes[i] for i in order], cost, [keys[i] for i in order]
-        )
-        layout = [[order[p] for p in bucket] for bucket in positions]
-        previous = reducer.bucket_indices
-        default = predict_finish_ms(ready, nbytes, previous, cost)
-        predicted = predict_finish_ms(ready, nbytes, layout, cost)
+        current = reducer.bucket_indices
+        planned = _plan(reducer, ready, nbytes, cost)
+        coarse = _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))
         before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
-        reducer.install_layout(layout)
-        return BucketPlan(layout, cost, predicted, default, reducer.iteration, previous, before)
+        self.plan = BucketPlan(
+            planned, cost, predict_finish_ms(ready, nbytes, planned, cost),
+            predict_finish_ms(ready, nbytes, current, cost), reducer.iteration, current, before,
+            replans=self.plan.replans + 1 if self.plan is not None else 0,
+        )
+        layouts = {CURRENT: current}
+        for name, layout in ((PLANNED, planned), (COARSE, coarse)):
+            if all(layout != other for other in layouts.values()):
+                layouts[name] = layout
+        names = list(layouts)
+        schedule = []
+        for r in range(self.rounds):  # rotate the order each round: no candidate always first
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                schedule += [name] * self.per_slot
+        self._trial = _Trial(layouts, schedule, {name: [] for name in names})
+        log.info("rank %d: %s", reducer.rank, self.plan)
+        self._advance_trial(reducer, self._trial)
+
+    def _advance_trial(self, reducer: Reducer, trial: _Trial) -> None:
+        pos = trial.position
+        if trial.running is not None:
+            finished = reducer.history[-1].iteration if reducer.history else -1
+            if finished != trial.running:  # a forward without backward: run the slot again
+                trial.running = reducer.iteration + 1
+                return
+            ended_slot = pos == len(trial.schedule) or trial.schedule[pos] != trial.schedule[pos - 1]
+            if ended_slot:  # the slot's last iteration; its first paid for the switch
+                trial.samples[trial.schedule[pos - 1]].append(_total_ms(reducer.history[-1]))
+        if pos == len(trial.schedule):
+            self._decide(reducer, trial)
+            return
+        if pos == 0 or trial.schedule[pos] != trial.schedule[pos - 1]:
+            reducer.install_layout(trial.layouts[trial.schedule[pos]])
+        trial.position = pos + 1
+        trial.running = reducer.iteration + 1  # the iteration this forward prepares
+
+    def _decide(self, reducer: Reducer, trial: _Trial) -> None:
+        names = list(trial.samples)
+        medians = dict(zip(names, _agreed_max(reducer, [statistics.median(trial.samples[n]) for n in names])))
+        best = min(names, key=lambda n: medians[n])
+        if medians[best] > medians[CURRENT] * (1 - self.margin):
+            best = CURRENT  # not clearly faster: keep what was there
+        reducer.install_layout(trial.layouts[best])
+        assert self.plan is not None
+        self.plan = dataclasses.replace(
+            self.plan, measured_before_ms=medians[CURRENT], measured_after_ms=medians[best],
+            kept=best != CURRENT, trial_ms=medians, chosen=best,
+        )
+        self._trial, self._baseline_ms = None, None
+        self._watched_at = reducer.iteration
+        log.info("rank %d: %s", reducer.rank, self.plan)
+
+    def _watch(self, reducer: Reducer) -> None:
+        """Set the steady-state time after a decision; replan if it later drifts far from it."""
+        self._watched_at = reducer.iteration
+        now = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-8:])])[0]
+        if self._baseline_ms is None:
+            self._baseline_ms = now
+            return
+        ratio = now / self._baseline_ms if self._baseline_ms > 0 else 1.0
+        assert self.plan is not None
+        if abs(ratio - 1) > self.drift and self.plan.replans < self.max_replans:
+            log.info("rank %d: step time drifted x%.2f since the plan; planning again", reducer.rank, ratio)
+            self._start(reducer)
 
     def _agreed_ready_ms(self, reducer: Reducer) -> list[float]:
         recent = list(reducer.history)[-self.window :]
@@ -113,8 +206,24 @@ class AutoBuckets:
         return _agreed_max(reducer, [statistics.median(v) if v else 0.0 for v in per_param])
 
 
+def _plan(reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostModel) -> list[list[int]]:
+    order = sorted(range(len(ready)), key=lambda i: (ready[i], i))
+    keys = [
+        ("sparse", i) if reducer.expect_sparse_gradient[i] else (p.dtype, p.device)
+        for i, p in enumerate(reducer.params)
+    ]
+    positions = plan_buckets(
+        [ready[i] for i in order], [nbytes[i] for i in order], cost, [keys[i] for i in order]
+    )
+    return [[order[p] for p in bucket] for bucket in positions]
+
+
+def _total_ms(timeline: IterationTimeline) -> float:
+    return (timeline.finish_ns - timeline.start_ns) * 1e-6 if timeline.finish_ns else 0.0
+
+
 def _median_total_ms(timelines: list) -> float:
-    totals = [(t.finish_ns - t.start_ns) * 1e-6 for t in timelines if t.finish_ns]
+    totals = [_total_ms(t) for t in timelines if t.finish_ns]
     return statistics.median(totals) if totals else 0.0
 
 

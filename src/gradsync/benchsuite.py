@@ -2,7 +2,8 @@
 
 Run through torch's launcher (`gradsync bench` does it): every rank builds each variant from the
 same seed; in every round each variant trains `--repeat` steps on the same batches (the order of
-variants rotates round by round; the first round is warm-up). Rank 0 reports medians, spreads
+variants rotates round by round; the first rounds are warm-up, long enough for planned
+buckets to finish their trial). Rank 0 reports medians, spreads
 and paired ratios to torch's DDP, the measured all-reduce cost and each model's communication
 floor, checks that every synchronising variant ended with the same parameters, and writes a
 markdown table, a JSON file and a PNG chart.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,7 @@ from .planner import probe_cost_model
 
 __all__ = ["MODELS", "main"]
 
+AUTO_SETTLES = 3 + 3 * 3 * 2 + 1  # AutoBuckets: warm-up, 3 rounds x 3 layouts x 2 steps, decide
 VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
 
 
@@ -132,7 +135,9 @@ def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dic
 def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
     models: dict[str, nn.Module] = {}
     variants = {v: _make_variant(v, model_name, rank, repeat, models) for v in VARIANTS}
-    result = interleave(variants, rounds=rounds, warmup=1)
+    # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
+    # (every variant trains the same steps, so all still end with the same parameters).
+    result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(AUTO_SETTLES / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
     cost = probe_cost_model(dist.group.WORLD, repeats=3)  # type: ignore[arg-type]
     same = _same_parameters(models)

@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--latency", type=float, default=10.0, help="microseconds per hop (default 10)")
     sim.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
     sim.add_argument("--ranks", default="2,4,8,16,32,64,128,256,512,1024")
+    sim.add_argument("--ranks-per-host", type=int, default=1,
+                     help="ranks sharing one host (default 1)")
+    sim.add_argument("--cores-per-host", type=int, default=None,
+                     help="cores per host: with more ranks than cores, compute stretches (default: enough)")
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -95,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from .simulate import Network, Profile, markdown, plot, simulate
+    from .simulate import Host, Network, Profile, markdown, plot, simulate
 
     try:
         ranks = [int(r) for r in args.ranks.split(",")]
@@ -106,9 +110,10 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         profile = Profile.load(args.profile)
         network = Network(args.bandwidth, args.latency, args.algorithm)
+        host = Host(args.ranks_per_host, args.cores_per_host)
     except (OSError, ValueError) as error:
         raise SystemExit(f"gradsync simulate: {error}") from None
-    predictions = simulate(profile, network, ranks)
+    predictions = simulate(profile, network, ranks, host)
     print(f"profile: forward {profile.forward_ms:.3f} ms, backward {profile.backward_ms:.3f} ms, "
           f"{sum(profile.nbytes) / 2**20:.2f} MiB of gradients in {len(profile.nbytes)} tensors")
     print(f"network: {network.bandwidth_gbps} GB/s, {network.latency_us} us, {network.algorithm}\n")

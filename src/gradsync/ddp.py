@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import sys
+import weakref
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -106,6 +108,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = self._build_reducer() if self._named_params else None
         self._placement = _Placement(module, self._named_params)
         self._placement.dtype_swaps = self._mixed is not None
+        self._watch_module_forwards()
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
             self.process_group.rank(), self.process_group.size(), len(self._named_params),
@@ -139,6 +142,16 @@ class DistributedDataParallel(nn.Module, Joinable):
             config=config,
             expect_sparse_gradient=sparse,
         )
+
+    def _watch_module_forwards(self) -> None:
+        """A forward of the wrapped module itself (not through this wrapper) starts a graph
+        of its own: its gradients are local, as under torch's DDP, not late ones."""
+        if self.reducer is None:
+            return
+        handle = self.module.register_forward_pre_hook(
+            functools.partial(_module_forward_started, weakref.ref(self.reducer))
+        )
+        weakref.finalize(self, handle.remove)
 
     def _searches_unused(self) -> bool:
         # A static graph learns its unused parameters once instead of searching every forward.
@@ -333,8 +346,8 @@ class DistributedDataParallel(nn.Module, Joinable):
             if state["rebuilt"]:
                 reducer.install_layout(state["bucket_indices"])
             reducer.iteration = state["iterations"]
-        if self._auto is not None and state["plan"] is not None:
-            self._auto.plan = state["plan"]
+        if self._auto is not None and state["plan"] is not None and state["plan"].kept is not None:
+            self._auto.plan = state["plan"]  # decided; a trial cut short by the stop starts over
         self._syncs = state["syncs"]
         _restore_hook_state(reducer, state.get("hook_state"))
 
@@ -447,6 +460,13 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.reducer = self._build_reducer() if self._named_params else None
         self._placement = _Placement(self.module, self._named_params)
         self._placement.dtype_swaps = self._mixed is not None
+        self._watch_module_forwards()
+
+
+def _module_forward_started(reducer: weakref.ref[Reducer], _module: nn.Module, _inputs: Any) -> None:
+    alive = reducer()
+    if alive is not None:
+        alive.note_module_forward()
 
 
 # ---------------------------------------------------------------------------- helpers

@@ -259,6 +259,11 @@ class Reducer:
         self._reduced = False
         self._forward_start_ns = now_ns()
 
+    def note_module_forward(self) -> None:
+        """The wrapped module ran forward (through the wrapper or not): gradients from here on
+        belong to a new graph, not late arrivals for the last reduced iteration."""
+        self._reduced = False
+
     def _reset_iteration_state(self) -> None:
         self._marked = [False] * len(self.params)
         self._unused = []
@@ -768,6 +773,7 @@ class Reducer:
             ready_ms=tuple(median[i] for i in order),
             nbytes=tuple(self.params[i].numel() * self.params[i].element_size() for i in order),
             names=tuple(self.names[i] for i in order),
+            world_size=self.world_size,
         )
 
     def enable_watchdog(

@@ -11,6 +11,10 @@ an all-reduce of M bytes as
 and replays backward: buckets launch in order as they fill, one collective at a time. Three
 layouts are compared: torch's default (1 MiB first bucket, then 25 MiB, in ready order), the
 planned one (`plan_buckets` under that N's cost) and no overlap (one all-reduce after backward).
+
+A *host* says how ranks share machines: with more ranks on a host than it has cores (CPU
+training, or this project's 2-core test machine), compute stretches by ranks/cores, relative to
+the ranks per host the profile was recorded with.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from pathlib import Path
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 from .planner import CostModel, plan_buckets, predict_finish_ms
 
-__all__ = ["Network", "Profile", "Prediction", "simulate", "default_layout"]
+__all__ = ["Host", "Network", "Profile", "Prediction", "simulate", "default_layout"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +39,8 @@ class Profile:
     ready_ms: tuple[float, ...]
     nbytes: tuple[int, ...]
     names: tuple[str, ...] = ()
+    world_size: int = 1
+    """Ranks of the recorded run (all on one host, for `Host` scaling)."""
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -45,6 +51,7 @@ class Profile:
                 ready_ms=tuple(float(t) for t in data["ready_ms"]),
                 nbytes=tuple(int(b) for b in data["nbytes"]),
                 names=tuple(data.get("names", ())),
+                world_size=int(data.get("world_size", 1)),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(
@@ -85,6 +92,37 @@ class Network:
         return CostModel(2 * math.ceil(math.log2(ranks)) * alpha, 2 * per_byte)
 
 
+    @classmethod
+    def from_cost(cls, cost: CostModel, ranks: int, algorithm: str = "ring") -> Network:
+        """The network whose all-reduce on `ranks` ranks costs `cost` (e.g. a probe's fit)."""
+        if ranks < 2:
+            raise ValueError("from_cost: a cost measured on at least 2 ranks is needed")
+        if algorithm == "ring":
+            latency_ms, per_byte = cost.alpha_ms / (2 * (ranks - 1)), cost.beta_ms_per_byte * ranks / (2 * (ranks - 1))
+        else:
+            latency_ms, per_byte = cost.alpha_ms / (2 * math.ceil(math.log2(ranks))), cost.beta_ms_per_byte / 2
+        return cls(1e-6 / max(per_byte, 1e-18), latency_ms * 1e3, algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """How ranks share machines. `ranks`: ranks per host; `cores`: cores per host (None: never
+    more ranks than cores, compute does not stretch)."""
+
+    ranks: int = 1
+    cores: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or (self.cores is not None and self.cores < 1):
+            raise ValueError(f"a host needs at least one rank and one core, got {self}")
+
+    def stretch(self, ranks: int) -> float:
+        """How much longer compute takes with `ranks` ranks in all than with one per host."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, min(ranks, self.ranks) / self.cores)
+
+
 @dataclasses.dataclass(frozen=True)
 class Prediction:
     ranks: int
@@ -113,24 +151,28 @@ def default_layout(nbytes: Sequence[int]) -> list[list[int]]:
     return [b for b in buckets if b]
 
 
-def simulate(profile: Profile, network: Network, ranks: Sequence[int]) -> list[Prediction]:
+def simulate(
+    profile: Profile, network: Network, ranks: Sequence[int], host: Host | None = None
+) -> list[Prediction]:
     """Predicted step time (forward + backward + exposed communication) for each rank count."""
-    ready, nbytes = list(profile.ready_ms), list(profile.nbytes)
-    compute = profile.forward_ms + profile.backward_ms
+    host = host or Host()
+    nbytes = list(profile.nbytes)
     default = default_layout(nbytes)
     out = []
     for n in ranks:
+        k = host.stretch(n) / host.stretch(profile.world_size)
+        ready = [t * k for t in profile.ready_ms]
+        forward, backward = profile.forward_ms * k, profile.backward_ms * k
         cost = network.cost(n)
         planned = plan_buckets(ready, nbytes, cost)
-        no_overlap = profile.backward_ms + cost.time_ms(sum(nbytes))
         out.append(
             Prediction(
                 ranks=n,
-                default_ms=profile.forward_ms + max(predict_finish_ms(ready, nbytes, default, cost), profile.backward_ms),
-                planned_ms=profile.forward_ms + max(predict_finish_ms(ready, nbytes, planned, cost), profile.backward_ms),
-                no_overlap_ms=profile.forward_ms + no_overlap,
+                default_ms=forward + max(predict_finish_ms(ready, nbytes, default, cost), backward),
+                planned_ms=forward + max(predict_finish_ms(ready, nbytes, planned, cost), backward),
+                no_overlap_ms=forward + backward + cost.time_ms(sum(nbytes)),
                 planned_buckets=len(planned),
-                compute_ms=compute,
+                compute_ms=forward + backward,
             )
         )
     return out
