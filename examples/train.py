@@ -10,5 +10,6 @@ for x in torch.randn(100, 8, 10):
     model(x).pow(2).mean().backward()                # gradients averaged across ranks here
     opt.step()
 print(f"rank {dist.get_rank()}: trained 100 steps", flush=True)
+del model, opt                                       # release the group before it is destroyed
 dist.barrier()                                       # let no rank leave while others still send
 dist.destroy_process_group()

@@ -4,6 +4,14 @@
 underneath (bucketed all-reduce overlapped with backward), usable on its own.
 """
 
+# torch.distributed.nn.functional binds `group=group.WORLD` as default arguments when it is first
+# imported. Imported after init_process_group (the first optimizer does it, through
+# torch._dynamo -> fsdp -> _shard), those defaults keep the default group alive past
+# destroy_process_group(); its gloo threads then free the last works during interpreter
+# shutdown and abort the process ("terminate called without an active exception"). Imported
+# here, while no group exists, the defaults are None.
+import torch.distributed.nn  # noqa: F401
+
 from .bucketing import compute_bucket_assignment_by_size
 from .config import ReducerConfig
 from .ddp import DistributedDataParallel, exclude_from_sync

@@ -5,7 +5,8 @@
    when a bucket can go) and the cost model is agreed in the probe, so the deterministic planner
    gives every rank the same layout without sending the layout itself. Two candidates come out:
    the plan under the probed cost, and a coarser one under a four-times latency (on a host whose
-   cores are busy with backward, each extra collective costs more than an idle probe shows).
+   cores are busy with backward, each extra collective costs more than an idle probe shows), and
+   one bucket (per dtype and device: no overlap, fewest collectives).
 2. A trial interleaves the candidates with the current layout, round after round, a few
    iterations each (the first after a switch is not counted). Training goes on meanwhile: a
    layout changes where gradients are summed, never what is summed.
@@ -31,7 +32,7 @@ from .timeline import EventKind, IterationTimeline
 
 __all__ = ["AutoBuckets", "BucketPlan"]
 
-CURRENT, PLANNED, COARSE = "current", "planned", "coarse"
+CURRENT, PLANNED, COARSE, ONE = "current", "planned", "coarse", "one bucket"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +131,7 @@ class AutoBuckets:
         current = reducer.bucket_indices
         planned = _plan(reducer, ready, nbytes, cost)
         coarse = _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))
+        one = _plan(reducer, ready, nbytes, CostModel(1e9, 0.0))  # one per dtype/device
         before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
         self.plan = BucketPlan(
             planned, cost, predict_finish_ms(ready, nbytes, planned, cost),
@@ -137,7 +139,7 @@ class AutoBuckets:
             replans=self.plan.replans + 1 if self.plan is not None else 0,
         )
         layouts = {CURRENT: current}
-        for name, layout in ((PLANNED, planned), (COARSE, coarse)):
+        for name, layout in ((PLANNED, planned), (COARSE, coarse), (ONE, one)):
             if all(layout != other for other in layouts.values()):
                 layouts[name] = layout
         names = list(layouts)

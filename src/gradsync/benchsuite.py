@@ -33,7 +33,7 @@ from .planner import probe_cost_model
 
 __all__ = ["MODELS", "main"]
 
-AUTO_SETTLES = 3 + 3 * 3 * 2 + 1  # AutoBuckets: warm-up, 3 rounds x 3 layouts x 2 steps, decide
+AUTO_SETTLES = 3 + 3 * 4 * 2 + 1  # AutoBuckets: warm-up, 3 rounds x 4 layouts x 2 steps, decide
 VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
 
 
