@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import sys
 import weakref
 from collections.abc import Iterator
@@ -148,9 +147,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         of its own: its gradients are local, as under torch's DDP, not late ones."""
         if self.reducer is None:
             return
-        handle = self.module.register_forward_pre_hook(
-            functools.partial(_module_forward_started, weakref.ref(self.reducer))
-        )
+        handle = self.module.register_forward_pre_hook(_ForwardWatcher(self.reducer))
         weakref.finalize(self, handle.remove)
 
     def _searches_unused(self) -> bool:
@@ -463,10 +460,20 @@ class DistributedDataParallel(nn.Module, Joinable):
         self._watch_module_forwards()
 
 
-def _module_forward_started(reducer: weakref.ref[Reducer], _module: nn.Module, _inputs: Any) -> None:
-    alive = reducer()
-    if alive is not None:
-        alive.note_module_forward()
+class _ForwardWatcher:
+    """Forward pre-hook on the wrapped module: tells the reducer (held weakly) that a forward
+    started. Pickles (with the module) to a no-op; the unpickled wrapper adds its own."""
+
+    def __init__(self, reducer: Reducer | None) -> None:
+        self.reducer = weakref.ref(reducer) if reducer is not None else None
+
+    def __call__(self, _module: nn.Module, _inputs: Any) -> None:
+        alive = self.reducer() if self.reducer is not None else None
+        if alive is not None:
+            alive.note_module_forward()
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return (_ForwardWatcher, (None,))
 
 
 # ---------------------------------------------------------------------------- helpers
