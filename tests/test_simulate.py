@@ -99,3 +99,18 @@ def test_a_shared_host_stretches_compute_relative_to_the_recorded_run():
     assert simulate(recorded_at_2, net, [4])[0].compute_ms == pytest.approx(two.compute_ms)  # no host
     with pytest.raises(ValueError, match="at least one rank and one core"):
         Host(ranks=2, cores=0)
+
+
+def test_on_a_saturated_host_cpu_collectives_add_to_compute():
+    from gradsync.simulate import Host
+
+    net = Network(1.0, 50.0)
+    overlapped = simulate(PROFILE, net, [4], Host(ranks=4, cores=8, cpu_collectives=True))[0]
+    serial = simulate(PROFILE, net, [4], Host(ranks=4, cores=4, cpu_collectives=True))[0]
+    compute = PROFILE.forward_ms + PROFILE.backward_ms
+    comm = net.cost(4).time_ms(sum(PROFILE.nbytes))
+    assert serial.no_overlap_ms == pytest.approx(compute + comm)
+    # Without free cores nothing hides behind backward: every bucket's cost adds up.
+    assert serial.default_ms >= compute + comm - 1e-9
+    assert overlapped.default_ms < serial.default_ms
+    assert not Host(ranks=4, cores=4).saturated(4)  # collectives off the CPU (NCCL): overlap

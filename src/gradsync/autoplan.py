@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .collectives import DEFAULT_TIMEOUT, wait
 from .log import log
-from .planner import CostModel, plan_buckets, predict_finish_ms, probe_cost_model
+from .planner import CostModel, plan_buckets, predict_finish_ms, probe_cost_model, probe_sizes
 from .reducer import Reducer
 from .timeline import EventKind, IterationTimeline
 
@@ -126,8 +126,10 @@ class AutoBuckets:
     def _start(self, reducer: Reducer) -> None:
         ready = self._agreed_ready_ms(reducer)
         device = reducer.buckets[0].buffer.device
-        cost = probe_cost_model(reducer.process_group, reducer.buckets[0].buffer.dtype, device)
         nbytes = [p.numel() * p.element_size() for p in reducer.params]
+        cost = probe_cost_model(
+            reducer.process_group, reducer.buckets[0].buffer.dtype, device, probe_sizes(sum(nbytes))
+        )
         current = reducer.bucket_indices
         planned = _plan(reducer, ready, nbytes, cost)
         coarse = _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))

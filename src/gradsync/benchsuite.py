@@ -29,7 +29,7 @@ from torch import nn
 
 from .bench import Comparison, interleave, markdown_table, timed
 from .ddp import DistributedDataParallel
-from .planner import probe_cost_model
+from .planner import probe_cost_model, probe_sizes
 
 __all__ = ["MODELS", "main"]
 
@@ -139,7 +139,7 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
     # (every variant trains the same steps, so all still end with the same parameters).
     result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(AUTO_SETTLES / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
-    cost = probe_cost_model(dist.group.WORLD, repeats=3)  # type: ignore[arg-type]
+    cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     same = _same_parameters(models)
     return {"result": result, "nbytes": nbytes, "cost": cost, "same": same}
 

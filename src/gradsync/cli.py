@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="ranks sharing one host (default 1)")
     sim.add_argument("--cores-per-host", type=int, default=None,
                      help="cores per host: with more ranks than cores, compute stretches (default: enough)")
+    sim.add_argument("--cpu-collectives", action="store_true",
+                     help="collectives run on the host's cores (gloo): on a saturated host they "
+                     "add to compute instead of overlapping it")
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -110,7 +113,7 @@ def _simulate(args: argparse.Namespace) -> int:
     try:
         profile = Profile.load(args.profile)
         network = Network(args.bandwidth, args.latency, args.algorithm)
-        host = Host(args.ranks_per_host, args.cores_per_host)
+        host = Host(args.ranks_per_host, args.cores_per_host, args.cpu_collectives)
     except (OSError, ValueError) as error:
         raise SystemExit(f"gradsync simulate: {error}") from None
     predictions = simulate(profile, network, ranks, host)

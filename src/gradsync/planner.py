@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from .collectives import DEFAULT_TIMEOUT, wait
 
-__all__ = ["CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model"]
+__all__ = ["CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model", "probe_sizes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,11 +67,22 @@ def fit_cost_model(sizes: Sequence[float], times_ms: Sequence[float]) -> CostMod
     return CostModel(alpha, beta)
 
 
+PROBE_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+
+
+def probe_sizes(gradient_bytes: int) -> tuple[int, ...]:
+    """The default probe sizes, plus the whole gradient (up to 64 MiB) when it is larger: the
+    fit should hold over the bucket sizes a plan can choose, and large messages fall out of
+    the caches and cost more per byte than small ones."""
+    top = min(gradient_bytes, 64 << 20)
+    return PROBE_SIZES + ((top,) if top > PROBE_SIZES[-1] else ())
+
+
 def probe_cost_model(
     group: dist.ProcessGroup,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
-    sizes: Sequence[int] = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20),
+    sizes: Sequence[int] = PROBE_SIZES,
     repeats: int = 5,
 ) -> CostModel:
     """Time all-reduces of a few sizes on `group` and fit the cost model; every rank gets the

@@ -111,10 +111,17 @@ class Host:
 
     ranks: int = 1
     cores: int | None = None
+    cpu_collectives: bool = False
+    """Collectives run on the host's CPU (gloo): once its cores are all busy, communication
+    competes with compute instead of overlapping it, and stretches like it."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or (self.cores is not None and self.cores < 1):
             raise ValueError(f"a host needs at least one rank and one core, got {self}")
+
+    def saturated(self, ranks: int) -> bool:
+        """Every core busy with a rank's compute: CPU collectives cannot overlap it."""
+        return self.cpu_collectives and self.cores is not None and min(ranks, self.ranks) >= self.cores
 
     def stretch(self, ranks: int) -> float:
         """How much longer compute takes with `ranks` ranks in all than with one per host."""
@@ -164,18 +171,30 @@ def simulate(
         ready = [t * k for t in profile.ready_ms]
         forward, backward = profile.forward_ms * k, profile.backward_ms * k
         cost = network.cost(n)
+        serial = host.saturated(n)
+        if serial:  # communication waits for cores: it adds to compute, and stretches like it
+            cost = CostModel(cost.alpha_ms * host.stretch(n), cost.beta_ms_per_byte * host.stretch(n))
         planned = plan_buckets(ready, nbytes, cost)
         out.append(
             Prediction(
                 ranks=n,
-                default_ms=forward + max(predict_finish_ms(ready, nbytes, default, cost), backward),
-                planned_ms=forward + max(predict_finish_ms(ready, nbytes, planned, cost), backward),
+                default_ms=forward + _finish(ready, nbytes, default, cost, serial),
+                planned_ms=forward + _finish(ready, nbytes, planned, cost, serial),
                 no_overlap_ms=forward + backward + cost.time_ms(sum(nbytes)),
                 planned_buckets=len(planned),
                 compute_ms=forward + backward,
             )
         )
     return out
+
+
+def _finish(
+    ready: list[float], nbytes: list[int], layout: list[list[int]], cost: CostModel, serial: bool
+) -> float:
+    """When the gradients are reduced, after forward: overlapped with backward, or after it."""
+    if serial:
+        return (ready[-1] if ready else 0.0) + sum(cost.time_ms(sum(nbytes[i] for i in b)) for b in layout)
+    return max(predict_finish_ms(ready, nbytes, layout, cost), ready[-1] if ready else 0.0)
 
 
 def markdown(predictions: Sequence[Prediction]) -> str:
