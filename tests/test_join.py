@@ -9,7 +9,7 @@ from models import MODELS
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
-from gradsync.testing import run_processes, seeded
+from gradsync.testing import RankError, run_processes, run_threaded, seeded
 
 
 def _train_uneven(rank, cls, model_name, batches, divide, throw, find_unused):
@@ -88,3 +88,13 @@ def test_device_mesh_selects_the_group():
     (g0, m0), (g1, _) = run_processes(_mesh_body, 2, timeout=120, default_group=True)
     assert torch.equal(g0, g1)
     assert "either process_group or device_mesh" in m0
+
+
+def test_join_with_planned_buckets_is_refused_before_any_collective():
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group, bucket_cap_mb="auto")
+        with ddp.join():
+            pass
+
+    with pytest.raises(RankError, match='does not support bucket_cap_mb="auto"'):
+        run_threaded(body, 2, timeout=30)

@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 from models import MODELS
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as torch_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -144,9 +145,11 @@ def test_world_size_one_trains_like_a_plain_module():
         assert torch.equal(g, p.grad)
 
 
-def _uneven_no_sync(rank, group):
+def _uneven_no_sync(rank, group, hooked):
     model = seeded(MODELS["mlp"], 0)
     ddp = GradsyncDDP(model, process_group=group)
+    if hooked:  # the counts then travel in an all-reduce of their own, not in the last bucket
+        ddp.register_comm_hook(group, torch_hooks.allreduce_hook)
     ddp.enable_stall_watchdog(warn_after=1, timeout=5)
     for step in range(4):
         skip = rank == 1 and step == 1  # rank 1 alone accumulates step 1 locally
@@ -158,8 +161,9 @@ def _uneven_no_sync(rank, group):
     return "no error"
 
 
-def test_no_sync_on_some_ranks_only_is_detected_at_the_next_sync_on_every_rank():
-    (step0, message0), (step1, message1) = run_threaded(_uneven_no_sync, 2, timeout=30)
+@pytest.mark.parametrize("hooked", [False, True])
+def test_no_sync_on_some_ranks_only_is_detected_at_the_next_sync_on_every_rank(hooked):
+    (step0, message0), (step1, message1) = run_threaded(_uneven_no_sync, 2, hooked, timeout=30)
     # Rank 0's sync at step 1 meets rank 1's at step 2 (its first after the no_sync step).
     assert (step0, step1) == (1, 2)
     assert message0 == message1

@@ -30,6 +30,7 @@ class Bucket:
         params: Sequence[torch.Tensor],
         sparse: bool = False,
         dtype: torch.dtype | None = None,
+        tail: int = 0,
     ):
         self.index = index
         self.param_indices = list(param_indices)
@@ -47,9 +48,12 @@ class Bucket:
         first = self.params[0]
         # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
         # the low-precision compute dtype.
-        self.buffer = torch.zeros(
-            sum(self.lengths), dtype=dtype or first.dtype, device=first.device
-        )
+        numel = sum(self.lengths)
+        # `wire` is what an all-reduce can send: the gradients (`buffer`) plus `tail` extra
+        # elements after them, where the Reducer lets small per-rank counts ride along.
+        self.wire = torch.zeros(numel + tail, dtype=dtype or first.dtype, device=first.device)
+        self.buffer = self.wire.narrow(0, 0, numel) if tail else self.wire
+        self.tail = self.wire.narrow(0, numel, tail) if tail else None
         self.views = [
             _view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
         ] if not sparse else []

@@ -424,6 +424,11 @@ class DistributedDataParallel(nn.Module, Joinable):
                 "gradsync: join() does not support delay_all_reduce_named_params yet (a joined "
                 "rank cannot know where in backward the delayed all-reduce falls)"
             )
+        if self._auto is not None:
+            raise NotImplementedError(
+                'gradsync: join() does not support bucket_cap_mb="auto" yet (planning and its '
+                "trial run collectives a joined rank would not join); pass a number"
+            )
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

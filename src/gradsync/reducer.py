@@ -90,6 +90,8 @@ class Reducer:
         # no_sync() entered on some ranks only is an error at once, not silently mixed steps.
         self.check_accumulation = self.world_size > 1
         self._micro_steps = 1
+        self._ride = False  # counts ride in the last bucket's all-reduce this iteration
+        self._count_templates: dict[int, torch.Tensor] = {}
         self.last_unused_report: dict[str, list[int]] = {}
         self._chain: HookChain | None = None
         reduce_dtype = self.config.reduce_dtype
@@ -145,6 +147,10 @@ class Reducer:
                 self.params,
                 sparse=self.expect_sparse_gradient[indices[0]],
                 dtype=self.config.bucket_dtype,
+                # The last bucket carries each rank's micro-step count (`check_accumulation`).
+                tail=self.world_size
+                if b == len(layout) - 1 and self.world_size > 1 and not self.expect_sparse_gradient[indices[0]]
+                else 0,
             )
             for b, indices in enumerate(layout)
         ]
@@ -249,6 +255,7 @@ class Reducer:
         )
         self._timeline.forward_start_ns = self._forward_start_ns
         self._chain = self._new_chain()
+        self._ride = self._counts_ride_along()
 
     def prepare_for_forward(self) -> None:
         """Note that a new forward has started (call it on every forward, synced or not).
@@ -277,7 +284,7 @@ class Reducer:
         self._next_bucket = 0
         self._used_work: dist.Work | None = None
         self._used_map: torch.Tensor | None = None
-        self._accumulation: tuple[torch.Tensor, dist.Work] | None = None
+        self._accumulation: tuple[torch.Tensor, dist.Work | None] | None = None
         for bucket in self.buckets:
             bucket.reset()
 
@@ -490,7 +497,7 @@ class Reducer:
     def _start_ready_buckets(self) -> None:
         """Launch, strictly in order, every bucket that is full and not yet launched."""
         buckets, events = self.buckets, self._timeline.events
-        if self._next_bucket == 0 and self.check_accumulation and self._accumulation is None:
+        if self._next_bucket == 0 and self.check_accumulation and not self._ride and self._accumulation is None:
             self._start_accumulation_check()  # first, so every rank issues it at the same point
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             bucket = buckets[self._next_bucket]
@@ -499,8 +506,11 @@ class Reducer:
             if self._chain is not None:
                 continue  # the chain launches it, after its predecessor's Future completes
             events.append((now_ns(), EventKind.LAUNCH, bucket.index))
+            wire = bucket.payload
+            if self._ride and bucket.tail is not None:
+                wire = self._attach_counts(bucket)
             with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
-                bucket.work = self.process_group.allreduce([bucket.payload])
+                bucket.work = self.process_group.allreduce([wire])
             bucket.work.get_future().add_done_callback(
                 functools.partial(_record_completion, events, bucket.index)
             )
@@ -662,6 +672,31 @@ class Reducer:
         }
         return [sum(m[i] for m in per_rank) for i in range(len(self.names))]
 
+    # Every synchronisation compares, across ranks, how many micro-steps (forwards) it covers:
+    # one slot per rank, summed. Without a hook the slots ride after the last bucket's gradients
+    # in its own all-reduce (free); otherwise they go in a tiny all-reduce of their own.
+
+    def _counts_ride_along(self) -> bool:
+        return (
+            self.check_accumulation
+            and self._comm_hook is None
+            and not self._scale_at_launch
+            and self.buckets[-1].tail is not None
+        )
+
+    def _attach_counts(self, bucket: Bucket) -> torch.Tensor:
+        """Write this rank's count into the bucket's tail; return what to all-reduce."""
+        assert bucket.tail is not None
+        steps = min(self._micro_steps, 255)  # exact in every float dtype, bfloat16 included
+        template = self._count_templates.get(steps)
+        if template is None or template.dtype != bucket.tail.dtype or template.device != bucket.tail.device:
+            template = torch.zeros_like(bucket.tail)
+            template[self.rank] = steps
+            self._count_templates[steps] = template
+        bucket.tail.copy_(template)
+        self._accumulation = (bucket.tail, None)  # waited for with the bucket itself
+        return bucket.wire
+
     def _start_accumulation_check(self, micro_steps: int | None = None) -> None:
         """All-reduce one slot per rank holding its micro-step count (a joined rank: 0)."""
         counts = torch.zeros(self.world_size, dtype=torch.int64, device=self.buckets[0].buffer.device)
@@ -673,8 +708,9 @@ class Reducer:
             return
         counts, work = self._accumulation
         self._accumulation = None
-        self._wait_work(work, "all-reduce of the ranks' micro-step counts")
-        per_rank = counts.tolist()
+        if work is not None:
+            self._wait_work(work, "all-reduce of the ranks' micro-step counts")
+        per_rank = [round(c) for c in counts.tolist()]
         active = {c for c in per_rank if c > 0}  # 0: a joined rank, which has no say
         if len(active) > 1:
             raise GradSyncError(uneven_accumulation_message(per_rank, self.iteration))
@@ -718,13 +754,14 @@ class Reducer:
         iteration of the ranks still training: contribute zeros to every bucket, in order."""
         if self._needs_rebuild and self.history:
             self._rebuild_buckets()
-        if self.check_accumulation:
+        ride = self._counts_ride_along()
+        if self.check_accumulation and not ride:
             self._start_accumulation_check(micro_steps=0)
             self._finish_accumulation_check()
         if self._comm_hook is not None:
             self._shadow_hooks()
             return
-        zeros = [torch.zeros_like(b.buffer) for b in self.buckets]
+        zeros = [torch.zeros_like(b.wire if ride else b.buffer) for b in self.buckets]
         if self._find_unused:
             zeros.append(torch.zeros(len(self.params), dtype=torch.int32, device=zeros[0].device))
         for i, tensor in enumerate(zeros):
