@@ -2,12 +2,15 @@
 
     torchrun --nproc-per-node 2 --max-restarts 1 examples/resume.py --out final.pt
 
-Every `--every` steps rank 0 writes model, optimizer and gradsync state to `--checkpoint`
-(atomically: a temporary file, then a rename). When a rank dies, torch's launcher stops the
+Every `--every` steps rank 0 writes model, optimizer and every rank's gradsync state to
+`--checkpoint` (atomically: a temporary file, then a rename). gradsync's state is per rank: a
+hook's state, such as PowerSGD's error feedback, differs from rank to rank. When a rank dies, torch's launcher stops the
 others and starts them all again (`--max-restarts`); each then loads the last checkpoint and goes
 on from its step, with data chosen by step number, so the final parameters are exactly those of
 an uninterrupted run. `--kill-at STEP` makes rank 1 SIGKILL itself at that step on the first
-attempt, to try it.
+attempt, to try it. `--powersgd` reduces gradients with torch's PowerSGD hook, whose error
+feedback and low-rank memories are part of gradsync's state: without them the resumed run
+would drift from the uninterrupted one.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import signal
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 
 import gradsync
 
@@ -33,6 +37,7 @@ def main() -> None:
                    help="rank 1 SIGKILLs itself at this step (on a launcher's first attempt, and "
                    "only when no checkpoint is there yet to resume from)")
     p.add_argument("--out", default="out/resume/final.pt")
+    p.add_argument("--powersgd", action="store_true", help="use torch's PowerSGD hook")
     args = p.parse_args()
 
     gradsync.init_process_group("gloo")  # torch's, with restart attempts kept apart
@@ -40,13 +45,17 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 32))
     ddp = gradsync.DistributedDataParallel(model, bucket_cap_mb=0.005)
+    if args.powersgd:  # register before loading: the checkpoint restores the hook's state
+        hook_state = powerSGD.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=3, random_seed=0)
+        ddp.register_comm_hook(hook_state, powerSGD.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = 0
     if os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, weights_only=False)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
-        ddp.load_gradsync_state(state["gradsync"])
+        ddp.load_gradsync_state(state["gradsync"][rank])  # this rank's own
         start = state["step"]
         print(f"rank {rank}: resumed at step {start}", flush=True)
 
@@ -59,9 +68,11 @@ def main() -> None:
         torch.nn.functional.mse_loss(ddp(x), x).backward()
         opt.step()
         if (step + 1) % args.every == 0:
+            per_rank: list = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, ddp.gradsync_state())
             if rank == 0:
                 state = {"model": model.state_dict(), "optimizer": opt.state_dict(),
-                         "gradsync": ddp.gradsync_state(), "step": step + 1}
+                         "gradsync": per_rank, "step": step + 1}
                 os.makedirs(os.path.dirname(args.checkpoint) or ".", exist_ok=True)
                 torch.save(state, args.checkpoint + ".tmp")
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)

@@ -126,7 +126,8 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like
     import torch
 
     example = os.path.join(os.path.dirname(__file__), "..", "examples", "resume.py")
-    common = ["--steps", "20", "--every", "5"]
+    # PowerSGD: its error feedback is state that must survive the restart too.
+    common = ["--steps", "20", "--every", "5", "--powersgd"]
     clean = run_torchrun(example, 2, [*common, "--checkpoint", str(tmp_path / "a.pt"),
                                       "--out", str(tmp_path / "clean.pt")], timeout=120)
     assert clean.returncode == 0, clean.stdout
