@@ -149,7 +149,7 @@ class HookChain:
             bucket.future_done.set()
             return
         bucket.future = future
-        future.add_done_callback(functools.partial(self._on_done, bucket))
+        future.add_done_callback(functools.partial(self._on_done, bucket, bucket.future_done))
 
     def _call(self, bucket: Bucket, view: GradBucket) -> torch.futures.Future:
         if bucket.sparse:  # reduced as torch does, but in the chain's order
@@ -163,10 +163,11 @@ class HookChain:
             )
         return future
 
-    def _on_done(self, bucket: Bucket, _future: object) -> None:
+    def _on_done(self, bucket: Bucket, done: threading.Event, _future: object) -> None:
         self.events.append((time.perf_counter_ns(), COMPLETE, bucket.index))
-        assert bucket.future_done is not None
-        bucket.future_done.set()
+        done.set()
+        if bucket.future_done is not done:
+            return  # completed (failed, say) after its iteration was abandoned: nothing to pump
         with self._lock:
             self._pump()
 
