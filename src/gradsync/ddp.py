@@ -105,9 +105,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self._delayed is not None:
                 self._delayed.broadcast_from_rank0()
         self.reducer = self._build_reducer() if self._named_params else None
-        self._placement = _Placement(module, self._named_params)
-        self._placement.dtype_swaps = self._mixed is not None
-        self._watch_module_forwards()
+        self._install_guards()
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
             self.process_group.rank(), self.process_group.size(), len(self._named_params),
@@ -142,9 +140,12 @@ class DistributedDataParallel(nn.Module, Joinable):
             expect_sparse_gradient=sparse,
         )
 
-    def _watch_module_forwards(self) -> None:
-        """A forward of the wrapped module itself (not through this wrapper) starts a graph
-        of its own: its gradients are local, as under torch's DDP, not late ones."""
+    def _install_guards(self) -> None:
+        """Remember where the parameters are (a later move is refused), and watch forwards
+        of the wrapped module itself (not through this wrapper): they start a graph of their
+        own, whose gradients are local, as under torch's DDP, not late ones."""
+        # Mixed precision swaps parameter dtypes around every forward, on purpose.
+        self._placement = _Placement(self.module, self._named_params, dtype_swaps=self._mixed is not None)
         if self.reducer is None:
             return
         handle = self.module.register_forward_pre_hook(_ForwardWatcher(self.reducer))
@@ -460,9 +461,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.process_group = _default_group()
         self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args, self.process_group)
         self.reducer = self._build_reducer() if self._named_params else None
-        self._placement = _Placement(self.module, self._named_params)
-        self._placement.dtype_swaps = self._mixed is not None
-        self._watch_module_forwards()
+        self._install_guards()
 
 
 class _ForwardWatcher:
@@ -490,7 +489,7 @@ class _Placement:
 
     SAMPLE = 4  # checked on every forward: the first and last few (a whole-module move)
 
-    def __init__(self, module: nn.Module, named: list[tuple[str, nn.Parameter]]) -> None:
+    def __init__(self, module: nn.Module, named: list[tuple[str, nn.Parameter]], dtype_swaps: bool) -> None:
         owners = dict(module.named_modules())
         self.entries = []
         for name, param in named:
@@ -498,7 +497,7 @@ class _Placement:
             self.entries.append((name, owners[owner], attr, param, param.device, param.dtype))
         k = self.SAMPLE
         self.sample = self.entries if len(self.entries) <= 2 * k else self.entries[:k] + self.entries[-k:]
-        self.dtype_swaps = False  # mixed precision swaps dtypes per forward, on purpose
+        self.dtype_swaps = dtype_swaps
 
     def check(self, sample: bool) -> None:
         for name, owner, attr, param, device, dtype in self.sample if sample else self.entries:
