@@ -149,12 +149,14 @@ def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
 
 def _forced_revert(rank, group):
     import torch
-    from models import MODELS
 
     from gradsync import DistributedDataParallel as GradsyncDDP
     from gradsync.testing import seeded
 
-    ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+    def wide():  # 1 MiB weights: torch's layout has several buckets, so "one bucket" differs
+        return torch.nn.Sequential(*[torch.nn.Linear(8 if i == 0 else 512, 512) for i in range(3)])
+
+    ddp = GradsyncDDP(seeded(wide, 0), process_group=group, bucket_cap_mb="auto")
     ddp._auto.rounds, ddp._auto.per_slot = 1, 1
     ddp._auto.margin = 10.0  # no candidate can be faster enough: the current layout stays
     layouts = []
@@ -170,10 +172,12 @@ def test_a_plan_measured_slower_is_reverted_on_every_rank():
     (plan0, layouts0), (plan1, layouts1) = run_threaded(_forced_revert, 2)
     assert plan0.kept is False and plan1.kept is False
     assert plan0.trial_ms == plan1.trial_ms  # agreed, so decided alike
-    assert set(plan0.trial_ms) >= {"current", "planned"}
+    assert "current" in plan0.trial_ms and len(plan0.trial_ms) >= 2  # another layout was tried
     assert layouts0 == layouts1
     # The trial ran each candidate for one iteration, then went back to the current layout.
-    assert plan0.layout in layouts0[3:7] and layouts0[-1] == plan0.previous_layout
+    tried = layouts0[3 : 3 + len(plan0.trial_ms)]
+    assert any(layout != plan0.previous_layout for layout in tried)
+    assert layouts0[-1] == plan0.previous_layout
     assert "reverted" in str(plan0)
 
 
