@@ -146,3 +146,40 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like
     a, b = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "resumed.pt")
     for name in a:
         assert torch.equal(a[name], b[name]), name
+
+
+VALIDATE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_simulator.py")
+
+
+def test_simulator_validation_measures_and_reports_every_mode(tmp_path):
+    """A tiny real run of the validation (2 and 3 ranks, one model, short rounds)."""
+    import subprocess
+    import sys
+
+    args = [sys.executable, VALIDATE, "--ranks", "2,3", "--models", "convnet", "--steps", "2",
+            "--rounds", "1", "--repeat", "2", "--out", str(tmp_path)]
+    result = subprocess.run(args, capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = (tmp_path / "validation.md").read_text()
+    for mode in ("2-rank profile, machine probed", "same run", "all from 2 ranks"):
+        assert f"- {mode}: median error" in report
+    assert "Noise floor" in report and "| convnet | 3 | no overlap |" in report
+    repeats = json.loads((tmp_path / "validation.json").read_text())
+    assert len(repeats) == 2 and set(repeats[0]) == {"2", "3"}
+    run = repeats[0]["3"]["models"]["convnet"]
+    assert run["load"]["step_ms"] > 0 and set(run["measured_ms"]) == {"default", "planned", "no overlap"}
+
+
+def test_committed_simulator_validation_reports_again(tmp_path):
+    """The committed measurements re-report (`--from-json`), as does a single older run."""
+    import subprocess
+    import sys
+
+    committed = os.path.join(os.path.dirname(VALIDATE), "..", "docs", "simulator", "validation.json")
+    single = tmp_path / "single.json"
+    single.write_text(json.dumps(json.loads(open(committed).read())[0]))  # one repeat, the old format
+    for source in (committed, str(single)):
+        result = subprocess.run([sys.executable, VALIDATE, "--from-json", source, "--out", str(tmp_path)],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert "2-rank profile, machine probed: median error" in result.stdout

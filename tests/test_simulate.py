@@ -114,3 +114,81 @@ def test_on_a_saturated_host_cpu_collectives_add_to_compute():
     assert serial.default_ms >= compute + comm - 1e-9
     assert overlapped.default_ms < serial.default_ms
     assert not Host(ranks=4, cores=4).saturated(4)  # collectives off the CPU (NCCL): overlap
+
+
+def test_the_slowest_ranks_profile_takes_each_gradients_latest_time():
+    a = Profile(2.0, (1.0, 2.0, 3.0), (4, 8, 16), ("w", "b", "c"), 2)
+    b = Profile(2.5, (1.5, 1.6, 4.0), (8, 4, 16), ("b", "w", "c"), 2)  # another rank's order
+    slowest = Profile.slowest([a, b])
+    assert slowest.forward_ms == 2.5
+    assert slowest.names == ("w", "b", "c") and slowest.ready_ms == (1.6, 2.0, 4.0)
+    assert slowest.nbytes == (4, 8, 16) and slowest.world_size == 2
+    with pytest.raises(ValueError, match="different parameters"):
+        Profile.slowest([a, Profile(2.0, (1.0,), (4,), ("w",), 2)])
+    with pytest.raises(ValueError, match="names"):
+        Profile.slowest([Profile(1.0, (1.0,), (4,))])
+
+
+def _probe(ranks, alpha, beta, compute, step):
+    from gradsync.planner import CostModel, LoadProbe
+
+    return LoadProbe(ranks, CostModel(alpha, beta), compute, step)
+
+
+def test_load_probes_price_a_saturated_host():
+    from dataclasses import replace
+
+    from gradsync.simulate import Host
+
+    recorded = replace(PROFILE, world_size=2)  # 2 ms forward + 20 ms backward, 10 MiB in 40
+    loads = {2: _probe(2, 1.0, 1e-6, 8.0, 9.0), 4: _probe(4, 4.0, 2e-6, 11.0, 20.0)}
+    host = Host(ranks=4, cores=2, cpu_collectives=True)
+    two, four = simulate(recorded, Network(1.0, 5.0), [2, 4], host, loads)
+    compute, total = 22.0, sum(PROFILE.nbytes)
+    # The compute stretches as the probe's synchronised step does, relative to the probe's
+    # compute at the profile's rank count; each bucket then adds its cost under load.
+    assert two.no_overlap_ms == pytest.approx(compute * 9 / 8 + 1.0 + 1e-6 * total)
+    assert four.no_overlap_ms == pytest.approx(compute * 20 / 8 + 4.0 + 2e-6 * total)
+    buckets = len(default_layout(list(PROFILE.nbytes)))
+    assert four.default_ms == pytest.approx(four.no_overlap_ms + (buckets - 1) * 4.0)
+    # Nothing overlaps there, so the plan is one bucket.
+    assert four.planned_buckets == 1 and four.planned_ms == four.no_overlap_ms
+    assert four.planned_layout == (tuple(range(40)),)
+    # Without a probe for a rank count (or with free cores) the network model prices it.
+    eight = simulate(recorded, Network(1.0, 5.0), [8], host, loads)[0]
+    assert eight == simulate(recorded, Network(1.0, 5.0), [8], host)[0]
+    free = Host(ranks=4, cores=8, cpu_collectives=True)
+    assert simulate(recorded, Network(1.0, 5.0), [4], free, loads) == simulate(recorded, Network(1.0, 5.0), [4], free)
+
+
+def test_probe_under_load_on_a_real_group_agrees_across_ranks(tmp_path):
+    from gradsync.planner import LoadProbe, probe_under_load
+
+    def body(rank, group):
+        return probe_under_load(group, sizes=(4 << 10, 256 << 10), repeats=2, busy_ms=2.0)
+
+    probes = run_threaded(body, 2)
+    assert probes[0] == probes[1]  # the slowest rank's medians, everywhere
+    probe = probes[0]
+    assert probe.ranks == 2 and probe.step_ms >= probe.compute_ms > 0
+    assert probe.cost.alpha_ms >= 0 and probe.cost.beta_ms_per_byte >= 0
+    assert LoadProbe.load(probe.save(tmp_path / "load.json")) == probe
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(ValueError, match="not a gradsync load probe"):
+        LoadProbe.load(tmp_path / "bad.json")
+
+
+def test_cli_prices_a_saturated_host_from_load_probes(tmp_path, capsys):
+    from dataclasses import replace
+
+    profile = replace(PROFILE, world_size=2).save(tmp_path / "p.json")
+    two = _probe(2, 1.0, 1e-6, 8.0, 9.0).save(tmp_path / "l2.json")
+    four = _probe(4, 4.0, 2e-6, 11.0, 20.0).save(tmp_path / "l4.json")
+    base = ["simulate", "--profile", str(profile), "--ranks", "2,4,8", "--out", str(tmp_path)]
+    assert cli([*base, "--cores-per-host", "2", "--ranks-per-host", "8", "--cpu-collectives",
+                "--load-probes", str(two), str(four)]) == 0
+    assert "priced from load probes at ranks [2, 4]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="add --cpu-collectives and --cores-per-host"):
+        cli([*base, "--load-probes", str(two)])
+    with pytest.raises(SystemExit, match="no load probe at the profile's 2 ranks"):
+        cli([*base, "--cores-per-host", "2", "--cpu-collectives", "--load-probes", str(four)])

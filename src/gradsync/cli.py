@@ -88,6 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     sim.add_argument("--cpu-collectives", action="store_true",
                      help="collectives run on the host's cores (gloo): on a saturated host they "
                      "add to compute instead of overlapping it")
+    sim.add_argument("--load-probes", nargs="+", default=[], metavar="JSON",
+                     help="probes under load (gradsync.planner.probe_under_load(...).save), one per "
+                     "rank count, the profile's included: on a saturated host they price the step")
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
     args, rest = parser.parse_known_args(argv)
     if args.command == "demo":
@@ -102,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 def _simulate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
+    from .planner import LoadProbe
     from .simulate import Host, Network, Profile, markdown, plot, simulate
 
     try:
@@ -114,12 +118,23 @@ def _simulate(args: argparse.Namespace) -> int:
         profile = Profile.load(args.profile)
         network = Network(args.bandwidth, args.latency, args.algorithm)
         host = Host(args.ranks_per_host, args.cores_per_host, args.cpu_collectives)
+        loads = {probe.ranks: probe for probe in map(LoadProbe.load, args.load_probes)}
     except (OSError, ValueError) as error:
         raise SystemExit(f"gradsync simulate: {error}") from None
-    predictions = simulate(profile, network, ranks, host)
+    if loads and not (args.cpu_collectives and args.cores_per_host):
+        raise SystemExit("gradsync simulate: --load-probes describe a host whose cores all run ranks, with "
+                         "CPU collectives: add --cpu-collectives and --cores-per-host")
+    if loads and profile.world_size not in loads:
+        raise SystemExit(f"gradsync simulate: no load probe at the profile's {profile.world_size} ranks "
+                         f"(have {sorted(loads)}): the stretch is measured relative to it")
+    predictions = simulate(profile, network, ranks, host, loads)
     print(f"profile: forward {profile.forward_ms:.3f} ms, backward {profile.backward_ms:.3f} ms, "
           f"{sum(profile.nbytes) / 2**20:.2f} MiB of gradients in {len(profile.nbytes)} tensors")
-    print(f"network: {network.bandwidth_gbps} GB/s, {network.latency_us} us, {network.algorithm}\n")
+    print(f"network: {network.bandwidth_gbps} GB/s, {network.latency_us} us, {network.algorithm}")
+    priced = [n for n in ranks if host.saturated(n) and n in loads]
+    if priced:
+        print(f"saturated host, priced from load probes at ranks {priced}")
+    print()
     print(markdown(predictions))
     print(f"\nplot: {plot(predictions, Path(args.out) / 'simulate.png')}")
     return 0

@@ -17,16 +17,21 @@ Buckets never mix (dtype, device) groups: a boundary is forced wherever the grou
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 import time
 from collections.abc import Hashable, Sequence
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from .collectives import DEFAULT_TIMEOUT, wait
 
-__all__ = ["CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model", "probe_sizes"]
+__all__ = [
+    "CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model",
+    "LoadProbe", "probe_under_load", "probe_sizes",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +108,112 @@ def probe_cost_model(
     opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
     wait(group.allreduce([agreed], opts), "cost-model agreement", group, DEFAULT_TIMEOUT)
     return fit_cost_model([float(s) for s in sizes], agreed.tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadProbe:
+    """How collectives and a synchronised step behave while every rank computes on the CPU,
+    measured at `ranks` ranks (`probe_under_load`)."""
+
+    ranks: int
+    cost: CostModel
+    """What one all-reduce adds to a step when it runs during compute."""
+    compute_ms: float
+    """The probe's compute, on the slowest rank (wall time, sharing cores as the ranks do)."""
+    step_ms: float
+    """The same compute as a synchronised step: ending in a tiny all-reduce, back to back."""
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fields = {"ranks": self.ranks, "alpha_ms": self.cost.alpha_ms, "beta_ms_per_byte": self.cost.beta_ms_per_byte,
+                  "compute_ms": self.compute_ms, "step_ms": self.step_ms}
+        path.write_text(json.dumps(fields, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LoadProbe:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(int(data["ranks"]), CostModel(float(data["alpha_ms"]), float(data["beta_ms_per_byte"])),
+                       float(data["compute_ms"]), float(data["step_ms"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}: not a gradsync load probe (LoadProbe.save): {error}") from error
+
+
+def probe_under_load(
+    group: dist.ProcessGroup,
+    dtype: torch.dtype = torch.float32,
+    sizes: Sequence[int] = PROBE_SIZES,
+    repeats: int = 7,
+    busy_ms: float = 8.0,
+    launches: int = 4,
+) -> LoadProbe:
+    """Measure what collectives cost while every rank computes on the CPU (see `LoadProbe`).
+
+    Each probe step is `busy_ms` of matrix products (the same number on every rank) with
+    `launches` all-reduces of one size started along the way, then a tiny all-reduce that ends
+    the step, as a last bucket would; a size's cost is the step time beyond the same step
+    without those launches, per launch. On a host whose cores all run a rank's compute, gloo's
+    threads take their time from that compute and wait for the scheduler, so a collective
+    costs several times what the idle probe says (about 1 ms against 0.3 ms for a small one at
+    2 ranks on 2 cores); where cores are free it comes out near zero, as overlap hides it.
+    Steps without launches also give how a synchronised step stretches beyond its compute
+    when ranks outnumber cores. Every rank gets the same result (the slowest rank's medians)."""
+    a = torch.randn(96, 96)
+    products = max(int(busy_ms * 1e-3 / _seconds_per_product(a, group)), launches + 1)
+    element = torch.empty(0, dtype=dtype).element_size()
+    end = torch.zeros(1, dtype=dtype)
+
+    def step(tensors: list[torch.Tensor]) -> tuple[float, float]:
+        works, chunk = [], products // (len(tensors) + 1)
+        start = time.perf_counter()
+        for t in tensors:
+            _busy(a, chunk)
+            works.append(group.allreduce([t]))
+        _busy(a, products - chunk * len(tensors))
+        computed = time.perf_counter()
+        works.append(group.allreduce([end]))
+        for w in works:
+            wait(w, "loaded cost-model probe", group, DEFAULT_TIMEOUT)
+        return (time.perf_counter() - start) * 1e3, (computed - start) * 1e3
+
+    messages = [[torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes]
+    for _ in range(3):  # warm-up, into the steady state of back-to-back steps
+        step([])
+    base: list[tuple[float, float]] = []
+    loaded: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):  # interleaved, so drift hits every size alike
+        for k, tensors in enumerate(messages):
+            base.append(step([]))
+            loaded[k].append(step(tensors)[0])
+    floor = statistics.median(t for t, _ in base)
+    marginal = [(statistics.median(t) - floor) / launches for t in loaded]
+    agreed = torch.tensor([floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
+    wait(group.allreduce([agreed], opts), "loaded cost-model agreement", group, DEFAULT_TIMEOUT)
+    step_ms, compute_ms, *costs = agreed.tolist()
+    # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
+    cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
+    return LoadProbe(group.size(), cost, compute_ms, step_ms)
+
+
+def _busy(a: torch.Tensor, products: int) -> None:
+    for _ in range(products):
+        torch.mm(a, a)
+
+
+def _seconds_per_product(a: torch.Tensor, group: dist.ProcessGroup) -> float:
+    """One product's time, the fastest rank's, so every rank runs the same number."""
+    _busy(a, 10)
+    start = time.perf_counter()
+    _busy(a, 50)
+    agreed = torch.tensor([(time.perf_counter() - start) / 50], dtype=torch.float64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
+    wait(group.allreduce([agreed], opts), "loaded cost-model calibration", group, DEFAULT_TIMEOUT)
+    return float(agreed.item())
 
 
 def predict_finish_ms(

@@ -15,6 +15,17 @@ planned one (`plan_buckets` under that N's cost) and no overlap (one all-reduce 
 A *host* says how ranks share machines: with more ranks on a host than it has cores (CPU
 training, or this project's 2-core test machine), compute stretches by ranks/cores, relative to
 the ranks per host the profile was recorded with.
+
+A host whose cores all run a rank's compute, with collectives on the CPU too (gloo), is
+*saturated*: communication takes its time from compute instead of hiding behind it, and waits
+for the scheduler. Neither the network formula nor a fair-share stretch prices that well (about
+20 % off on the 2-core test machine), so such a host is better described by measurement:
+`planner.probe_under_load` at each rank count gives what one all-reduce adds to a step while
+the ranks compute, and how a synchronised step stretches beyond its compute. Given probes for
+the profile's rank count and the predicted one, the step is the profile's compute, stretched as
+the probe's step is, plus every bucket's cost under load (one bucket is then the best plan).
+Record the profile with a core per rank: under oversubscription a rank's own timings already
+hold part of the stretch, unevenly.
 """
 
 from __future__ import annotations
@@ -22,11 +33,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
-from .planner import CostModel, plan_buckets, predict_finish_ms
+from .planner import CostModel, LoadProbe, plan_buckets, predict_finish_ms
 
 __all__ = ["Host", "Network", "Profile", "Prediction", "simulate", "default_layout"]
 
@@ -63,6 +74,32 @@ class Profile:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
         return path
+
+    @classmethod
+    def slowest(cls, profiles: Sequence[Profile]) -> Profile:
+        """One profile from every rank's: the latest forward and ready time of each gradient
+        over the ranks, since the slowest rank sets the step (as the planner's agreed input)."""
+        if not profiles:
+            raise ValueError("Profile.slowest: no profiles")
+        first = profiles[0]
+        if len(first.names) != len(first.ready_ms):
+            raise ValueError("Profile.slowest: profiles need parameter names to be matched")
+        ready = {name: t for name, t in zip(first.names, first.ready_ms)}
+        for other in profiles[1:]:
+            if set(other.names) != set(ready):
+                raise ValueError("Profile.slowest: the ranks' profiles name different parameters")
+            for name, t in zip(other.names, other.ready_ms):
+                ready[name] = max(ready[name], t)
+        size = dict(zip(first.names, first.nbytes))
+        position = {name: i for i, name in enumerate(first.names)}
+        order = sorted(ready, key=lambda name: (ready[name], position[name]))
+        return cls(
+            forward_ms=max(p.forward_ms for p in profiles),
+            ready_ms=tuple(ready[name] for name in order),
+            nbytes=tuple(size[name] for name in order),
+            names=tuple(order),
+            world_size=first.world_size,
+        )
 
     @property
     def backward_ms(self) -> float:
@@ -138,6 +175,8 @@ class Prediction:
     no_overlap_ms: float
     planned_buckets: int
     compute_ms: float
+    planned_layout: tuple[tuple[int, ...], ...] = ()
+    """The planned buckets, as positions in the profile's ready order."""
 
     def efficiency(self, step_ms: float) -> float:
         """Scaling efficiency: the one-rank (compute-only) step over this step."""
@@ -159,14 +198,26 @@ def default_layout(nbytes: Sequence[int]) -> list[list[int]]:
 
 
 def simulate(
-    profile: Profile, network: Network, ranks: Sequence[int], host: Host | None = None
+    profile: Profile,
+    network: Network,
+    ranks: Sequence[int],
+    host: Host | None = None,
+    loads: Mapping[int, LoadProbe] | None = None,
 ) -> list[Prediction]:
-    """Predicted step time (forward + backward + exposed communication) for each rank count."""
+    """Predicted step time (forward + backward + exposed communication) for each rank count.
+
+    `loads`: probes under load (`planner.probe_under_load`) by rank count. On a saturated CPU
+    host with probes for the profile's rank count and the predicted one, they price the step
+    instead of the network and the fair-share stretch (see `_saturated`)."""
     host = host or Host()
     nbytes = list(profile.nbytes)
     default = default_layout(nbytes)
+    loads = loads or {}
     out = []
     for n in ranks:
+        if host.saturated(n) and n in loads and profile.world_size in loads:
+            out.append(_saturated(profile, default, loads[profile.world_size], loads[n]))
+            continue
         k = host.stretch(n) / host.stretch(profile.world_size)
         ready = [t * k for t in profile.ready_ms]
         forward, backward = profile.forward_ms * k, profile.backward_ms * k
@@ -183,9 +234,35 @@ def simulate(
                 no_overlap_ms=forward + backward + cost.time_ms(sum(nbytes)),
                 planned_buckets=len(planned),
                 compute_ms=forward + backward,
+                planned_layout=tuple(tuple(b) for b in planned),
             )
         )
     return out
+
+
+def _saturated(profile: Profile, default: list[list[int]], recorded: LoadProbe, target: LoadProbe) -> Prediction:
+    """A host whose cores all run a rank's compute, with CPU collectives: nothing overlaps.
+
+    The step is the compute, stretched as the probe's synchronised step stretches (its step
+    at the predicted rank count over its compute at the recorded one, where the profile's
+    compute was measured alike), plus what each bucket's all-reduce adds to a step under load.
+    The best plan is then the fewest buckets: one, the same as no overlap."""
+    compute = profile.forward_ms + profile.backward_ms
+    stretched = compute * target.step_ms / recorded.compute_ms
+
+    def step(layout: list[list[int]]) -> float:
+        return stretched + sum(target.cost.time_ms(sum(profile.nbytes[i] for i in b)) for b in layout)
+
+    one = [list(range(len(profile.nbytes)))]
+    return Prediction(
+        ranks=target.ranks,
+        default_ms=step(default),
+        planned_ms=step(one),
+        no_overlap_ms=step(one),
+        planned_buckets=1,
+        compute_ms=compute,
+        planned_layout=(tuple(one[0]),),
+    )
 
 
 def _finish(
