@@ -102,10 +102,10 @@ def test_many_gradients_are_merged_into_atoms_and_planned_quickly():
 # ------------------------------------------------------------------ on real groups
 
 
-STEPS = 30  # 3 to measure, then the trial: 3 rounds of up to 4 layouts x 2 iterations, then decided
+STEPS = 52  # 3 to measure, then the trial: 4 rounds of up to 4 layouts x 3 iterations, then decided
 
 
-def _auto_vs_torch(rank, group, model_name):
+def _auto_vs_torch(rank, group, model_name, saturated=None):
     import torch
     from models import make_batches
     from parity import train_wrapper
@@ -117,6 +117,10 @@ def _auto_vs_torch(rank, group, model_name):
     plans = []
 
     class Recording(GradsyncDDP):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self._auto.saturated = saturated
+
         def forward(self, *a, **k):
             out = super().forward(*a, **k)
             plans.append(self.bucket_plan())
@@ -145,6 +149,43 @@ def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
     assert sorted(i for b in plan0.layout for i in b) == list(range(len(ours0["params"])))
     for ours, theirs in [(ours0, theirs0), (ours1, results[1][1])]:
         assert_records_equal(ours, theirs, exact=True, what="auto vs torch")
+
+
+def test_on_a_saturated_cpu_host_the_plan_is_one_bucket_priced_under_load():
+    from parity import assert_records_equal
+
+    from gradsync.testing import run_threaded
+
+    results = run_threaded(_auto_vs_torch, 2, "mlp", True, timeout=120)
+    (ours0, theirs0, plan0, _), (ours1, theirs1, plan1, _) = results
+    assert plan0.saturated and plan0 == plan1  # probed, planned and decided alike
+    assert len(plan0.layout) == 1 and sorted(plan0.layout[0]) == list(range(len(ours0["params"])))
+    assert "under load (saturated CPU host)" in str(plan0)
+    # Priced serially: every all-reduce adds to backward, so one bucket is predicted best.
+    assert plan0.predicted_finish_ms <= plan0.default_finish_ms + 1e-9
+    for ours, theirs in [(ours0, theirs0), (ours1, theirs1)]:
+        assert_records_equal(ours, theirs, exact=True, what="auto (saturated) vs torch")
+
+
+def test_a_saturated_host_is_detected_from_local_ranks_threads_and_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from gradsync import Reducer
+    from gradsync.autoplan import AutoBuckets
+    from gradsync.testing import run_threaded
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def body(rank, group, cores):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        reducer = Reducer([torch.nn.Parameter(torch.ones(3))], [[0]], group)
+        return AutoBuckets()._host_saturated(reducer)
+
+    assert torch.get_num_threads() == 1  # conftest
+    assert run_threaded(body, 2, 4) == [True, True]  # 4 ranks x 1 thread on 4 cores
+    assert run_threaded(body, 2, 8) == [False, False]
 
 
 def _forced_revert(rank, group):

@@ -3,7 +3,7 @@
 1. After `warmup` synchronised iterations (the first rebuild included) every rank plans from the
    same inputs: per-parameter ready times are all-reduced (the slowest rank's, since it decides
    when a bucket can go) and the cost model is agreed in the probe, so the deterministic planner
-   gives every rank the same layout without sending the layout itself. Two candidates come out:
+   gives every rank the same layout without sending the layout itself. Three candidates come out:
    the plan under the probed cost, and a coarser one under a four-times latency (on a host whose
    cores are busy with backward, each extra collective costs more than an idle probe shows), and
    one bucket (per dtype and device: no overlap, fewest collectives).
@@ -11,14 +11,21 @@
    iterations each (the first after a switch is not counted). Training goes on meanwhile: a
    layout changes where gradients are summed, never what is summed.
 3. The layout with the lowest median (agreed across ranks) is installed: never one measured
-   slower than the current. The cost model knows nothing of CPU contention; the trial does.
+   slower than the current.
 4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
+
+On a saturated CPU host (CPU gradients, and local ranks x intra-op threads >= cores), where
+gloo's threads compete with backward for every core, the cost is probed under load
+(`probe_under_load`) and priced serially: each all-reduce adds to the step, nothing hides, so
+the plan is one bucket per dtype and device. Elsewhere the probe is idle and the plan
+overlaps communication with backward.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 
 import torch
@@ -26,7 +33,14 @@ import torch.distributed as dist
 
 from .collectives import DEFAULT_TIMEOUT, wait
 from .log import log
-from .planner import CostModel, plan_buckets, predict_finish_ms, probe_cost_model, probe_sizes
+from .planner import (
+    CostModel,
+    plan_buckets,
+    predict_finish_ms,
+    probe_cost_model,
+    probe_sizes,
+    probe_under_load,
+)
 from .reducer import Reducer
 from .timeline import EventKind, IterationTimeline
 
@@ -58,10 +72,14 @@ class BucketPlan:
     chosen: str | None = None
     replans: int = 0
     """How many times timings drifted and the plan was made again before this one."""
+    saturated: bool = False
+    """Planned for a saturated CPU host: cost probed under load, nothing overlapping."""
 
     def __str__(self) -> str:
         if self.kept is None:
             verdict = "trial running"
+        elif not self.kept and len(self.trial_ms) <= 1:  # nothing else to try
+            verdict = "kept the current layout: it is the plan"
         elif self.kept:
             verdict = f"kept the {self.chosen} layout"
         else:
@@ -73,8 +91,8 @@ class BucketPlan:
             f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
             f"{self.default_finish_ms:.3f} ms; measured {after} ms vs "
             f"{self.measured_before_ms:.3f} ms ({verdict}; trial medians ms: {trial or '-'}); "
-            f"all-reduce ≈ {self.cost.alpha_ms:.3f} ms + "
-            f"{self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
+            f"all-reduce{' under load (saturated CPU host)' if self.saturated else ''} ≈ "
+            f"{self.cost.alpha_ms:.3f} ms + {self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
         )
 
 
@@ -97,8 +115,8 @@ class AutoBuckets:
         self,
         warmup: int = 3,
         window: int = 2,
-        rounds: int = 3,
-        per_slot: int = 2,
+        rounds: int = 4,
+        per_slot: int = 3,
         margin: float = 0.01,
         drift: float = 0.3,
         drift_every: int = 50,
@@ -106,6 +124,8 @@ class AutoBuckets:
     ) -> None:
         self.warmup, self.window, self.rounds, self.per_slot = warmup, window, rounds, per_slot
         self.margin, self.drift, self.drift_every, self.max_replans = margin, drift, drift_every, max_replans
+        self.saturated: bool | None = None
+        """Force the saturated-host model on or off; None: detect it (every rank must agree)."""
         self.plan: BucketPlan | None = None
         self._trial: _Trial | None = None
         self._baseline_ms: float | None = None
@@ -125,23 +145,28 @@ class AutoBuckets:
 
     def _start(self, reducer: Reducer) -> None:
         ready = self._agreed_ready_ms(reducer)
-        device = reducer.buckets[0].buffer.device
+        buffer = reducer.buckets[0].buffer
         nbytes = [p.numel() * p.element_size() for p in reducer.params]
-        cost = probe_cost_model(
-            reducer.process_group, reducer.buckets[0].buffer.dtype, device, probe_sizes(sum(nbytes))
-        )
+        saturated = self._host_saturated(reducer)
+        if saturated:
+            cost = probe_under_load(reducer.process_group, buffer.dtype, probe_sizes(sum(nbytes))).cost
+        else:
+            cost = probe_cost_model(reducer.process_group, buffer.dtype, buffer.device, probe_sizes(sum(nbytes)))
         current = reducer.bucket_indices
-        planned = _plan(reducer, ready, nbytes, cost)
-        coarse = _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))
         one = _plan(reducer, ready, nbytes, CostModel(1e9, 0.0))  # one per dtype/device
+        planned = one if saturated else _plan(reducer, ready, nbytes, cost)
+        coarse = _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))
         before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
         self.plan = BucketPlan(
-            planned, cost, predict_finish_ms(ready, nbytes, planned, cost),
-            predict_finish_ms(ready, nbytes, current, cost), reducer.iteration, current, before,
-            replans=self.plan.replans + 1 if self.plan is not None else 0,
+            planned, cost, predict_finish_ms(ready, nbytes, planned, cost, saturated),
+            predict_finish_ms(ready, nbytes, current, cost, saturated), reducer.iteration, current, before,
+            replans=self.plan.replans + 1 if self.plan is not None else 0, saturated=saturated,
         )
         layouts = {CURRENT: current}
-        for name, layout in ((PLANNED, planned), (COARSE, coarse), (ONE, one)):
+        # On a saturated host an overlapping plan is what the measured model rules out: only
+        # the plan (one bucket) is tried against the current layout.
+        others = ((PLANNED, planned),) if saturated else ((PLANNED, planned), (COARSE, coarse), (ONE, one))
+        for name, layout in others:
             if all(layout != other for other in layouts.values()):
                 layouts[name] = layout
         names = list(layouts)
@@ -160,8 +185,8 @@ class AutoBuckets:
             if finished != trial.running:  # a forward without backward: run the slot again
                 trial.running = reducer.iteration + 1
                 return
-            ended_slot = pos == len(trial.schedule) or trial.schedule[pos] != trial.schedule[pos - 1]
-            if ended_slot:  # the slot's last iteration; its first paid for the switch
+            opened_slot = pos == 1 or trial.schedule[pos - 2] != trial.schedule[pos - 1]
+            if not opened_slot or self.per_slot == 1:  # a slot's first paid for the switch
                 trial.samples[trial.schedule[pos - 1]].append(_total_ms(reducer.history[-1]))
         if pos == len(trial.schedule):
             self._decide(reducer, trial)
@@ -199,6 +224,15 @@ class AutoBuckets:
         if abs(ratio - 1) > self.drift and self.plan.replans < self.max_replans:
             log.info("rank %d: step time drifted x%.2f since the plan; planning again", reducer.rank, ratio)
             self._start(reducer)
+
+    def _host_saturated(self, reducer: Reducer) -> bool:
+        """CPU gradients, and at least as many compute threads on this host as cores (torchrun's
+        LOCAL_WORLD_SIZE ranks, `torch.get_num_threads()` each); agreed, so all ranks plan alike."""
+        if self.saturated is not None:
+            return self.saturated
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        mine = reducer.buckets[0].buffer.device.type == "cpu" and local * torch.get_num_threads() >= (os.cpu_count() or 1)
+        return _agreed_max(reducer, [float(mine)])[0] > 0
 
     def _agreed_ready_ms(self, reducer: Reducer) -> list[float]:
         recent = list(reducer.history)[-self.window :]

@@ -33,7 +33,7 @@ from .planner import probe_cost_model, probe_sizes
 
 __all__ = ["MODELS", "main"]
 
-AUTO_SETTLES = 3 + 3 * 4 * 2 + 1  # AutoBuckets: warm-up, 3 rounds x 4 layouts x 2 steps, decide
+AUTO_SETTLES = 3 + 4 * 4 * 3 + 1  # AutoBuckets: warm-up, 4 rounds x up to 4 layouts x 3 steps, decide
 VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
 
 
@@ -129,6 +129,8 @@ def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dic
         counter[0] += 1
 
     state[name] = model
+    if "planned" in name:
+        state["plan of " + name] = wrapped  # read after timing: what "auto" chose
     return lambda: timed(step, repeat)
 
 
@@ -140,8 +142,9 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
     result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(AUTO_SETTLES / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
+    plans = {k: str(models.pop(k).bucket_plan()) for k in [k for k in models if k.startswith("plan of ")]}  # type: ignore[operator]
     same = _same_parameters(models)
-    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same}
+    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans}
 
 
 def _same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
@@ -169,6 +172,7 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
         f"({cost.bandwidth_gbps:.2f} GB/s); communication floor for this model: {floor:.2f} ms",
         "same parameters as torch DDP (max |diff|): "
         + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
+        *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
     ]
     return "\n".join(lines)
 
@@ -193,7 +197,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--rounds", type=int, default=7, help="measured rounds after one warm-up (default 7)")
+    p.add_argument("--rounds", type=int, default=25, help="measured rounds after the warm-up (default 25)")
     p.add_argument("--repeat", type=int, default=8, help="steps per variant per round (default 8)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")

@@ -217,11 +217,19 @@ def _seconds_per_product(a: torch.Tensor, group: dist.ProcessGroup) -> float:
 
 
 def predict_finish_ms(
-    ready_ms: Sequence[float], nbytes: Sequence[int], buckets: Sequence[Sequence[int]], cost: CostModel
+    ready_ms: Sequence[float],
+    nbytes: Sequence[int],
+    buckets: Sequence[Sequence[int]],
+    cost: CostModel,
+    serial: bool = False,
 ) -> float:
     """When the last bucket's all-reduce finishes, launching buckets in order as they fill.
 
-    `buckets` hold positions into `ready_ms` / `nbytes` (the ready order)."""
+    `buckets` hold positions into `ready_ms` / `nbytes` (the ready order). `serial`: nothing
+    overlaps (a saturated CPU host, `cost` measured under load): every all-reduce adds to the
+    time backward takes."""
+    if serial:
+        return max(ready_ms, default=0.0) + sum(cost.time_ms(sum(nbytes[i] for i in b)) for b in buckets)
     finish = 0.0
     for bucket in buckets:
         ready = max(ready_ms[i] for i in bucket)

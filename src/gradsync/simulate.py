@@ -270,7 +270,7 @@ def _finish(
 ) -> float:
     """When the gradients are reduced, after forward: overlapped with backward, or after it."""
     if serial:
-        return (ready[-1] if ready else 0.0) + sum(cost.time_ms(sum(nbytes[i] for i in b)) for b in layout)
+        return predict_finish_ms(ready, nbytes, layout, cost, serial=True)
     return max(predict_finish_ms(ready, nbytes, layout, cost), ready[-1] if ready else 0.0)
 
 
