@@ -142,10 +142,10 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like
     assert restarted.returncode == 0, out
     assert "SIGKILL" in out or "exitcode: -9" in out or "Connection" in out  # the kill happened
     assert "rank 0: resumed at step 10" in out and "rank 1: resumed at step 10" in out, out
-    assert "Connection refused" not in out  # see gradsync.launch
+    assert "Connection refused" not in out, out  # see gradsync.launch
     a, b = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "resumed.pt")
     for name in a:
-        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(a[name], b[name]), f"{name}\n{out}"
 
 
 VALIDATE = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "validate_simulator.py")

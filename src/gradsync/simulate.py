@@ -216,7 +216,7 @@ def simulate(
     out = []
     for n in ranks:
         if host.saturated(n) and n in loads and profile.world_size in loads:
-            out.append(_saturated(profile, default, loads[profile.world_size], loads[n]))
+            out.append(_saturated(profile, default, loads[profile.world_size], loads[n], n))
             continue
         k = host.stretch(n) / host.stretch(profile.world_size)
         ready = [t * k for t in profile.ready_ms]
@@ -240,7 +240,9 @@ def simulate(
     return out
 
 
-def _saturated(profile: Profile, default: list[list[int]], recorded: LoadProbe, target: LoadProbe) -> Prediction:
+def _saturated(
+    profile: Profile, default: list[list[int]], recorded: LoadProbe, target: LoadProbe, ranks: int
+) -> Prediction:
     """A host whose cores all run a rank's compute, with CPU collectives: nothing overlaps.
 
     The step is the compute, stretched as the probe's synchronised step stretches (its step
@@ -255,7 +257,7 @@ def _saturated(profile: Profile, default: list[list[int]], recorded: LoadProbe, 
 
     one = [list(range(len(profile.nbytes)))]
     return Prediction(
-        ranks=target.ranks,
+        ranks=ranks,
         default_ms=step(default),
         planned_ms=step(one),
         no_overlap_ms=step(one),
