@@ -183,3 +183,22 @@ def test_committed_simulator_validation_reports_again(tmp_path):
                                 capture_output=True, text=True, timeout=120)
         assert result.returncode == 0, result.stderr
         assert "2-rank profile, machine probed: median error" in result.stdout
+
+
+def test_probe_describes_the_group_for_the_simulator(tmp_path, capsys):
+    from gradsync.cli import main as cli
+    from gradsync.simulate import Profile
+
+    result = run_torchrun("gradsync.probe", 2, ["--out", str(tmp_path), "--threads", "1", "--gradient-mib", "1"],
+                          module=True, timeout=120)
+    assert result.returncode == 0, result.stdout
+    assert "under load:" in result.stdout and "a ring of" in result.stdout
+    idle = json.loads((tmp_path / "idle-2.json").read_text())
+    assert idle["ranks"] == 2 and idle["ring_bandwidth_gbps"] > 0
+    profile = Profile(2.0, (1.0, 2.0), (4096, 4096), ("a", "b"), 2).save(tmp_path / "profile.json")
+    assert cli(["simulate", "--profile", str(profile), "--ranks", "2", "--cpu-collectives",
+                "--cores-per-host", "2", "--ranks-per-host", "2", "--out", str(tmp_path),
+                "--load-probes", str(tmp_path / "load-2.json")]) == 0
+    assert "priced from load probes at ranks [2]" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        cli(["probe", "--gradient-mib", "0"])  # refused before any rank starts

@@ -1,5 +1,6 @@
 """The `gradsync` command line: `demo` (the demo job on local ranks), `bench` (gradsync vs
-torch's DDP, side by side) and `simulate` (step time at scale from a recorded profile).
+torch's DDP, side by side), `probe` (the process group measured, for the simulator) and
+`simulate` (step time at scale from a recorded profile).
 
 Ranks are started by torch's own launcher (`torch.distributed.run`), exactly as users start
 their training: nothing here manages processes.
@@ -37,6 +38,18 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     return _launch(args.nproc, "gradsync.benchsuite", rest, "bench")
 
 
+def _probe(args: argparse.Namespace, rest: list[str]) -> int:
+    from . import probe
+
+    if args.help:
+        print("usage: gradsync probe [--nproc N] [probe options]\n")
+        probe.parse_args(["--help"])
+    if args.nproc < 1:
+        raise SystemExit(f"gradsync probe: --nproc must be at least 1, got {args.nproc}")
+    probe.parse_args(rest)
+    return _launch(args.nproc, "gradsync.probe", rest, "probe")
+
+
 def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -70,6 +83,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     bench.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
     bench.add_argument("-h", "--help", action="store_true")
+    probe = sub.add_parser(
+        "probe", add_help=False,
+        help="measure the process group (idle and under load) on local ranks, for simulate",
+    )
+    probe.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    probe.add_argument("-h", "--help", action="store_true")
     sim = sub.add_parser(
         "simulate",
         help="predict step time at 2..1024 ranks from a recorded timing profile",
@@ -89,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="collectives run on the host's cores (gloo): on a saturated host they "
                      "add to compute instead of overlapping it")
     sim.add_argument("--load-probes", nargs="+", default=[], metavar="JSON",
-                     help="probes under load (gradsync.planner.probe_under_load(...).save), one per "
+                     help="probes under load (gradsync probe, or planner.probe_under_load(...).save), one per "
                      "rank count, the profile's included: on a saturated host they price the step")
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
     args, rest = parser.parse_known_args(argv)
@@ -97,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         return _demo(args, rest)
     if args.command == "bench":
         return _bench(args, rest)
+    if args.command == "probe":
+        return _probe(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     return _simulate(args)
