@@ -139,8 +139,9 @@ def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
 
     from gradsync.testing import run_threaded
 
-    results = run_threaded(_auto_vs_torch, 2, model_name, timeout=120)
+    results = run_threaded(_auto_vs_torch, 2, model_name, False, timeout=120)  # free cores: overlap
     (ours0, theirs0, plan0, none0), (ours1, _, plan1, _) = results
+    assert not plan0.saturated
     assert none0 == [True] * 3 + [False] * (STEPS - 3)  # planned before the 4th iteration's backward
     assert plan0.kept is not None and plan0.chosen == plan1.chosen  # the trial decided, alike
     assert plan0.layout == plan1.layout  # the same on every rank
@@ -167,7 +168,7 @@ def test_on_a_saturated_cpu_host_the_plan_is_one_bucket_priced_under_load():
         assert_records_equal(ours, theirs, exact=True, what="auto (saturated) vs torch")
 
 
-def test_a_saturated_host_is_detected_from_local_ranks_threads_and_cores(monkeypatch):
+def test_a_saturated_host_is_detected_from_its_ranks_threads_and_cores(monkeypatch):
     import os
 
     import torch
@@ -186,6 +187,10 @@ def test_a_saturated_host_is_detected_from_local_ranks_threads_and_cores(monkeyp
     assert torch.get_num_threads() == 1  # conftest
     assert run_threaded(body, 2, 4) == [True, True]  # 4 ranks x 1 thread on 4 cores
     assert run_threaded(body, 2, 8) == [False, False]
+    # Without torchrun (mp.spawn, or these threads): the ranks sharing this host's name count.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert run_threaded(body, 2, 2) == [True, True]  # 2 ranks here x 1 thread on 2 cores
+    assert run_threaded(body, 2, 3) == [False, False]
 
 
 def _forced_revert(rank, group):

@@ -15,7 +15,7 @@
 4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
-On a saturated CPU host (CPU gradients, and local ranks x intra-op threads >= cores), where
+On a saturated CPU host (CPU gradients, and the host's ranks x intra-op threads >= cores), where
 gloo's threads compete with backward for every core, the cost is probed under load
 (`probe_under_load`) and priced serially: each all-reduce adds to the step, nothing hides, so
 the plan is one bucket per dtype and device. Elsewhere the probe is idle and the plan
@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from .collectives import DEFAULT_TIMEOUT, wait
+from .collectives import DEFAULT_TIMEOUT, all_gather_objects, wait
 from .log import log
 from .planner import (
     CostModel,
@@ -226,12 +227,20 @@ class AutoBuckets:
             self._start(reducer)
 
     def _host_saturated(self, reducer: Reducer) -> bool:
-        """CPU gradients, and at least as many compute threads on this host as cores (torchrun's
-        LOCAL_WORLD_SIZE ranks, `torch.get_num_threads()` each); agreed, so all ranks plan alike."""
+        """CPU gradients, and at least as many compute threads on this host as cores: its ranks
+        (torchrun's LOCAL_WORLD_SIZE; otherwise the ranks that share this host's name, as under
+        mp.spawn) times `torch.get_num_threads()`. Agreed, so all ranks plan alike."""
         if self.saturated is not None:
             return self.saturated
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        mine = reducer.buckets[0].buffer.device.type == "cpu" and local * torch.get_num_threads() >= (os.cpu_count() or 1)
+        if reducer.buckets[0].buffer.device.type != "cpu":
+            return False  # every rank's gradients live alike: no collective needed to agree
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None:
+            hosts = all_gather_objects(reducer.process_group, socket.gethostname())
+            ranks_here = hosts.count(socket.gethostname())
+        else:
+            ranks_here = int(local)
+        mine = ranks_here * torch.get_num_threads() >= (os.cpu_count() or 1)
         return _agreed_max(reducer, [float(mine)])[0] > 0
 
     def _agreed_ready_ms(self, reducer: Reducer) -> list[float]:
