@@ -9,45 +9,23 @@ their training: nothing here manages processes.
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 __all__ = ["main"]
 
 
-def _demo(args: argparse.Namespace, rest: list[str]) -> int:
-    from . import demo
-
+def _run_on_ranks(args: argparse.Namespace, rest: list[str]) -> int:
+    """demo, bench, probe: check the job's options once, then start it on local ranks."""
+    module_name, fewest, usage = _ON_RANKS[args.command]
+    module = importlib.import_module(module_name)
     if args.help:
-        print(DEMO_USAGE)
-        demo.parse_args(["--help"])
-    if args.nproc < 1:
-        raise SystemExit(f"gradsync demo: --nproc must be at least 1, got {args.nproc}")
-    demo.parse_args(rest)  # bad values fail here, once, before any rank starts
-    return _launch(args.nproc, "gradsync.demo", rest, "demo")
-
-
-def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from . import benchsuite
-
-    if args.help:
-        print("usage: gradsync bench [--nproc N] [bench options]\n")
-        benchsuite.parse_args(["--help"])
-    if args.nproc < 2:
-        raise SystemExit(f"gradsync bench: --nproc must be at least 2, got {args.nproc}")
-    benchsuite.parse_args(rest)
-    return _launch(args.nproc, "gradsync.benchsuite", rest, "bench")
-
-
-def _probe(args: argparse.Namespace, rest: list[str]) -> int:
-    from . import probe
-
-    if args.help:
-        print("usage: gradsync probe [--nproc N] [probe options]\n")
-        probe.parse_args(["--help"])
-    if args.nproc < 1:
-        raise SystemExit(f"gradsync probe: --nproc must be at least 1, got {args.nproc}")
-    probe.parse_args(rest)
-    return _launch(args.nproc, "gradsync.probe", rest, "probe")
+        print(usage)
+        module.parse_args(["--help"])
+    if args.nproc < fewest:
+        raise SystemExit(f"gradsync {args.command}: --nproc must be at least {fewest}, got {args.nproc}")
+    module.parse_args(rest)  # bad values fail here, once, before any rank starts
+    return _launch(args.nproc, module_name, rest, args.command)
 
 
 def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:
@@ -67,6 +45,12 @@ DEMO_USAGE = """usage: gradsync demo [--nproc N] [job options]
 
 Launches N local ranks (default 2) with torch.distributed.run and trains the demo job on them.
 Job options, passed to every rank:"""
+
+_ON_RANKS = {  # command: (module run on every rank, fewest ranks, usage)
+    "demo": ("gradsync.demo", 1, DEMO_USAGE),
+    "bench": ("gradsync.benchsuite", 2, "usage: gradsync bench [--nproc N] [bench options]\n"),
+    "probe": ("gradsync.probe", 1, "usage: gradsync probe [--nproc N] [probe options]\n"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,12 +96,8 @@ def main(argv: list[str] | None = None) -> int:
                      "rank count, the profile's included: on a saturated host they price the step")
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
     args, rest = parser.parse_known_args(argv)
-    if args.command == "demo":
-        return _demo(args, rest)
-    if args.command == "bench":
-        return _bench(args, rest)
-    if args.command == "probe":
-        return _probe(args, rest)
+    if args.command in _ON_RANKS:
+        return _run_on_ranks(args, rest)
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     return _simulate(args)
