@@ -192,3 +192,18 @@ def test_cli_prices_a_saturated_host_from_load_probes(tmp_path, capsys):
         cli([*base, "--load-probes", str(two)])
     with pytest.raises(SystemExit, match="no load probe at the profile's 2 ranks"):
         cli([*base, "--cores-per-host", "2", "--cpu-collectives", "--load-probes", str(four)])
+
+
+def test_probe_under_load_raises_when_a_rank_does_not_take_part():
+    from datetime import timedelta
+
+    from gradsync.planner import probe_under_load
+    from gradsync.testing import RankError
+
+    def body(rank, group):
+        if rank == 0:  # rank 1 never probes: rank 0 must give up, not wait forever
+            probe_under_load(group, sizes=(4 << 10,), repeats=1, busy_ms=1.0, timeout=timedelta(seconds=1))
+        return "absent"
+
+    with pytest.raises(RankError, match=r"rank 0.*loaded cost-model calibration.*(did not complete within|failed)"):
+        run_threaded(body, 2, timeout=30)

@@ -32,7 +32,7 @@ import statistics
 import torch
 import torch.distributed as dist
 
-from .collectives import DEFAULT_TIMEOUT, all_gather_objects, wait
+from .collectives import all_gather_objects, all_reduce
 from .log import log
 from .planner import (
     CostModel,
@@ -156,7 +156,6 @@ class AutoBuckets:
         current = reducer.bucket_indices
         one = _plan(reducer, ready, nbytes, CostModel(1e9, 0.0))  # one per dtype/device
         planned = one if saturated else _plan(reducer, ready, nbytes, cost)
-        coarse = _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))
         before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
         self.plan = BucketPlan(
             planned, cost, predict_finish_ms(ready, nbytes, planned, cost, saturated),
@@ -166,7 +165,10 @@ class AutoBuckets:
         layouts = {CURRENT: current}
         # On a saturated host an overlapping plan is what the measured model rules out: only
         # the plan (one bucket) is tried against the current layout.
-        others = ((PLANNED, planned),) if saturated else ((PLANNED, planned), (COARSE, coarse), (ONE, one))
+        others = [(PLANNED, planned)]
+        if not saturated:
+            others += [(COARSE, _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * 4, cost.beta_ms_per_byte))),
+                       (ONE, one)]
         for name, layout in others:
             if all(layout != other for other in layouts.values()):
                 layouts[name] = layout
@@ -277,8 +279,4 @@ def _median_total_ms(timelines: list) -> float:
 def _agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
     """Each value's maximum over the ranks: the same inputs, hence the same decisions, everywhere."""
     agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    group = reducer.process_group
-    wait(group.allreduce([agreed], opts), "agreement on measured timings", group, DEFAULT_TIMEOUT)
-    return agreed.tolist()
+    return all_reduce(reducer.process_group, agreed, dist.ReduceOp.MAX, "agreement on measured timings").tolist()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from .errors import ReductionTimeoutError
 
-__all__ = ["all_gather_objects", "broadcast_tensors", "wait", "wait_error"]
+__all__ = ["all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
 
 DEFAULT_TIMEOUT = timedelta(minutes=5)
 
@@ -26,6 +26,20 @@ def wait(work: dist.Work, what: str, group: dist.ProcessGroup, timeout: timedelt
         work.wait(timeout)
     except RuntimeError as error:
         raise wait_error(error, what, group, timeout) from error
+
+
+def all_reduce(
+    group: dist.ProcessGroup,
+    tensor: torch.Tensor,
+    op: dist.ReduceOp.RedOpType,
+    what: str,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> torch.Tensor:
+    """All-reduce `tensor` in place with `op` and wait (at most `timeout`); return it."""
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = op  # type: ignore[assignment]
+    wait(group.allreduce([tensor], opts), what, group, timeout)
+    return tensor
 
 
 def wait_error(

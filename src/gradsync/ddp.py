@@ -377,7 +377,8 @@ class DistributedDataParallel(nn.Module, Joinable):
         """On by default: every synchronisation compares, across ranks, how many forward
         passes it covers, and raises if they differ (no_sync() entered on some ranks only).
         Turn it off (on every rank) if ranks accumulating different numbers of micro-batches
-        is intended; it saves one tiny all-reduce per iteration."""
+        is intended. The counts ride in the last bucket's all-reduce; with a communication hook
+        or mixed precision they take one tiny all-reduce of their own, which this saves."""
         if self.reducer is not None:
             self.reducer.check_accumulation = enabled and self.process_group.size() > 1
 
@@ -550,7 +551,6 @@ def _restore_hook_state(reducer: Reducer | None, saved: dict[str, Any] | None) -
 
 def _where(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"on {t.device} as {t.dtype}"
-
 
 
 def _resolve_group(group: dist.ProcessGroup | None, mesh: Any) -> dist.ProcessGroup:

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .collectives import DEFAULT_TIMEOUT, broadcast_tensors, wait
+from .collectives import DEFAULT_TIMEOUT, all_reduce, broadcast_tensors, wait
 from .errors import GradSyncError
 
 __all__ = ["ParameterDivergenceError", "check_finite", "check_parameters_in_sync"]
@@ -39,8 +39,8 @@ def check_parameters_in_sync(
             [torch.stack([p.double().sum(), p.double().pow(2).sum()]) for _, p in named]
         )
         high, low = prints.clone(), prints.clone()
-        _reduce(group, high, dist.ReduceOp.MAX, timeout)
-        _reduce(group, low, dist.ReduceOp.MIN, timeout)
+        all_reduce(group, high, dist.ReduceOp.MAX, "divergence check: fingerprints", timeout)
+        all_reduce(group, low, dist.ReduceOp.MIN, "divergence check: fingerprints", timeout)
         differs = ((high != low).any(dim=1)).nonzero()
         if len(differs) == 0:
             return
@@ -61,12 +61,6 @@ def check_parameters_in_sync(
         "result fed back into the weights. Reload a checkpoint, or re-broadcast rank 0's "
         "parameters (torch.distributed.broadcast) if that is what you want."
     )
-
-
-def _reduce(group: dist.ProcessGroup, t: torch.Tensor, op: object, timeout: timedelta) -> None:
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = op  # type: ignore[assignment]
-    wait(group.allreduce([t], opts), "divergence check: fingerprints", group, timeout)
 
 
 def check_finite(

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
-from .collectives import DEFAULT_TIMEOUT, broadcast_tensors, wait
+from .collectives import DEFAULT_TIMEOUT, all_reduce, broadcast_tensors, wait
 
 if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
@@ -24,10 +24,8 @@ __all__ = ["DDPJoinHook", "all_reduce_flag", "find_common_rank"]
 
 def find_common_rank(group: dist.ProcessGroup, rank: int, candidate: bool) -> int:
     """The highest rank among those passing `candidate=True` (every rank must call this)."""
-    t = torch.tensor([rank if candidate else -1])
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    wait(group.allreduce([t], opts), "all-reduce to agree on an authoritative rank", group, DEFAULT_TIMEOUT)
+    t = all_reduce(group, torch.tensor([rank if candidate else -1]), dist.ReduceOp.MAX,
+                   "all-reduce to agree on an authoritative rank")
     if t.item() < 0:
         raise RuntimeError("gradsync join: no rank could serve as the authoritative copy")
     return int(t.item())

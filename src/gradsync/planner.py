@@ -21,12 +21,13 @@ import json
 import statistics
 import time
 from collections.abc import Hashable, Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from .collectives import DEFAULT_TIMEOUT, wait
+from .collectives import DEFAULT_TIMEOUT, all_reduce, wait
 
 __all__ = [
     "CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model",
@@ -104,9 +105,7 @@ def probe_cost_model(
             samples.append((time.perf_counter() - start) * 1e3)
         medians.append(statistics.median(samples))
     agreed = torch.tensor(medians, dtype=torch.float64, device=device)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    wait(group.allreduce([agreed], opts), "cost-model agreement", group, DEFAULT_TIMEOUT)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "cost-model agreement")
     return fit_cost_model([float(s) for s in sizes], agreed.tolist())
 
 
@@ -148,6 +147,7 @@ def probe_under_load(
     repeats: int = 7,
     busy_ms: float = 8.0,
     launches: int = 4,
+    timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> LoadProbe:
     """Measure what collectives cost while every rank computes on the CPU (see `LoadProbe`).
 
@@ -159,9 +159,10 @@ def probe_under_load(
     costs several times what the idle probe says (about 1 ms against 0.3 ms for a small one at
     2 ranks on 2 cores); where cores are free it comes out near zero, as overlap hides it.
     Steps without launches also give how a synchronised step stretches beyond its compute
-    when ranks outnumber cores. Every rank gets the same result (the slowest rank's medians)."""
+    when ranks outnumber cores. Every rank gets the same result (the slowest rank's medians);
+    a rank that does not take part makes the others raise after `timeout`."""
     a = torch.randn(96, 96)
-    products = max(int(busy_ms * 1e-3 / _seconds_per_product(a, group)), launches + 1)
+    products = max(int(busy_ms * 1e-3 / _seconds_per_product(a, group, timeout)), launches + 1)
     element = torch.empty(0, dtype=dtype).element_size()
     end = torch.zeros(1, dtype=dtype)
 
@@ -175,7 +176,7 @@ def probe_under_load(
         computed = time.perf_counter()
         works.append(group.allreduce([end]))
         for w in works:
-            wait(w, "loaded cost-model probe", group, DEFAULT_TIMEOUT)
+            wait(w, "loaded cost-model probe", group, timeout)
         return (time.perf_counter() - start) * 1e3, (computed - start) * 1e3
 
     messages = [[torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes]
@@ -190,9 +191,7 @@ def probe_under_load(
     floor = statistics.median(t for t, _ in base)
     marginal = [(statistics.median(t) - floor) / launches for t in loaded]
     agreed = torch.tensor([floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX  # type: ignore[assignment]
-    wait(group.allreduce([agreed], opts), "loaded cost-model agreement", group, DEFAULT_TIMEOUT)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "loaded cost-model agreement", timeout)
     step_ms, compute_ms, *costs = agreed.tolist()
     # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
     cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
@@ -204,16 +203,13 @@ def _busy(a: torch.Tensor, products: int) -> None:
         torch.mm(a, a)
 
 
-def _seconds_per_product(a: torch.Tensor, group: dist.ProcessGroup) -> float:
+def _seconds_per_product(a: torch.Tensor, group: dist.ProcessGroup, timeout: timedelta) -> float:
     """One product's time, the fastest rank's, so every rank runs the same number."""
     _busy(a, 10)
     start = time.perf_counter()
     _busy(a, 50)
     agreed = torch.tensor([(time.perf_counter() - start) / 50], dtype=torch.float64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN  # type: ignore[assignment]
-    wait(group.allreduce([agreed], opts), "loaded cost-model calibration", group, DEFAULT_TIMEOUT)
-    return float(agreed.item())
+    return float(all_reduce(group, agreed, dist.ReduceOp.MIN, "loaded cost-model calibration", timeout).item())
 
 
 def predict_finish_ms(
