@@ -273,3 +273,33 @@ def test_powersgd_with_one_parameter_buckets_does_not_hang():
     g0, g1 = run_processes(_one_param_buckets, 2, timeout=120)
     for a, b in zip(g0, g1):
         assert torch.equal(a, b)
+
+
+def _already_complete_hook(group, bucket):
+    """Reduce at once and return a completed Future, as NCCL's are at enqueue."""
+    buffer = bucket.buffer()
+    group.allreduce([buffer.div_(group.size())]).wait()
+    future: torch.futures.Future = torch.futures.Future()
+    future.set_result(buffer)
+    return future
+
+
+def test_a_thousand_buckets_ready_at_once_with_completed_futures_do_not_recurse():
+    # 1000 one-parameter buckets whose gradients arrive in reverse bucket order: the last
+    # gradient releases every bucket at once, and each Future is complete when returned. The
+    # chain used to launch the next bucket from inside the previous Future's callback, one
+    # nesting per bucket, into Python's recursion limit.
+    n = 1000
+
+    def body(rank, group):
+        params = [torch.nn.Parameter(torch.full((2,), float(i))) for i in range(n)]
+        reducer = gradsync.Reducer(params, [[i] for i in range(n)], group)
+        reducer.register_comm_hook(group, _already_complete_hook)
+        loss = sum(p.sum() * (rank + 1) for p in params)  # backward reaches params[n-1] first
+        reducer.prepare_for_backward(loss)
+        loss.backward()
+        return [p.grad[0].item() for p in params[:3]], reducer.history[-1].order(3)[:3]
+
+    for grads, launches in run_threaded(body, 2, timeout=60):
+        assert grads == [1.5, 1.5, 1.5]  # (1 + 2) / 2
+        assert [i for _, i in launches] == [0, 1, 2]  # in bucket order all the same

@@ -3,6 +3,7 @@ unused-parameter reports and logging."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import time
@@ -160,15 +161,21 @@ def test_watchdog_error_names_a_rank_that_never_reached_the_iteration():
 
 
 def test_unfinished_reduction_error_carries_other_ranks_reports():
+    # Without outputs the end of backward is not seen; the watchdog's store carries what the
+    # ranks that got to the next iteration first reported.
     def body(rank, group, store):
         model = seeded(MODELS["unused_branch"], 0)
-        ddp = GradsyncDDP(model, process_group=group)
-        ddp.enable_stall_watchdog(warn_after=5, store=store)
-        ddp(torch.ones(2, 8)).sum().backward()
+        named = list(model.named_parameters())
+        reducer = gradsync.Reducer(
+            [p for _, p in named], [list(range(len(named)))], group, param_names=[n for n, _ in named]
+        )
+        reducer.enable_watchdog(datetime.timedelta(seconds=5), store)
+        reducer.prepare_for_backward(None)
+        model(torch.ones(2, 8)).sum().backward()
         if rank == 1:
             time.sleep(0.5)  # rank 0 reports first
         try:
-            ddp(torch.ones(2, 8))
+            reducer.prepare_for_backward(None)
         except gradsync.GradSyncError as error:
             return str(error)
         return "no error"

@@ -261,3 +261,47 @@ def test_loading_a_hook_state_without_the_hook_is_refused():
 
     with pytest.raises(RankError, match="holds the state of a PowerSGDState hook, but no hook is registered"):
         run_threaded(body, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
+def test_reports_are_exact_or_ask_for_the_exact_count(dtype):
+    from gradsync import accumulation
+
+    top = accumulation.saturation(dtype)
+    for steps in [0, 1, 126, 127, 255, 256, 300, top - 1, top, top + 1, 2**40]:
+        summed = torch.zeros(3, dtype=dtype)  # summed in the dtype, as the all-reduce does
+        for rank, (n, missing) in enumerate([(steps, False), (steps, True), (0, False)]):
+            summed += accumulation.encode(torch.empty(3, dtype=dtype), rank, n, missing)
+        reports = accumulation.decode(summed.tolist(), dtype)
+        expected = steps if steps < top else None  # None: every rank runs the exact all-reduce
+        assert reports == [
+            accumulation.RankReport(expected, False),
+            accumulation.RankReport(expected, True),
+            accumulation.RankReport(0, False),
+        ], (steps, reports)
+    assert accumulation.saturation(torch.bfloat16) == 127 and accumulation.saturation(torch.float32) == 2**23 - 1
+
+
+@pytest.mark.parametrize("hooked", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_micro_step_counts_are_compared_exactly_above_255(hooked, dtype):
+    # 300 against 301 forwards: the counts used to be clamped at 255, where these look equal.
+    # In a bfloat16 bucket 300 does not ride exactly: every rank then asks for the exact counts.
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0).to(dtype)
+        ddp = GradsyncDDP(model, process_group=group)
+        if hooked:
+            ddp.register_comm_hook(group, torch_hooks.allreduce_hook)
+        x = torch.ones(1, 8, dtype=dtype)
+        with ddp.no_sync():
+            for _ in range(299):
+                ddp(x).sum().backward()
+        ddp(x).sum().backward()  # 300 on both: no error
+        with ddp.no_sync():
+            for _ in range(299 + rank):
+                ddp(x).sum().backward()
+        with pytest.raises(GradSyncError, match=r"rank 0: 300, rank 1: 301"):
+            ddp(x).sum().backward()
+        return "raised"
+
+    assert run_threaded(body, 2, timeout=90) == ["raised", "raised"]

@@ -26,7 +26,8 @@ LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
 
 __all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "hook_name"]
 
-CommHook = Callable[[Any, "GradBucket"], torch.futures.Future]
+# A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
+CommHook = Callable[[Any, Any], torch.futures.Future]
 
 
 class GradBucket:
@@ -117,6 +118,7 @@ class HookChain:
         self._lock = threading.RLock()
         self._released = 0  # buckets full and in order, free to launch
         self._launched = 0
+        self._pumping = False  # a launch loop is running (on the thread holding the lock)
 
     def release(self, count: int) -> None:
         with self._lock:
@@ -124,13 +126,22 @@ class HookChain:
             self._pump()
 
     def _pump(self) -> None:
-        while self._launched < self._released:
-            previous = self.buckets[self._launched - 1] if self._launched else None
-            if previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
-                return
-            bucket = self.buckets[self._launched]
-            self._launched += 1
-            self._launch(bucket)
+        # Call with the lock held. A Future that is complete when returned (NCCL's are, at
+        # enqueue) runs its callback, and so `_pump`, inside `_launch`: that nested call returns
+        # at once and this loop goes on, so a thousand ready buckets never nest a thousand deep.
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._launched < self._released:
+                previous = self.buckets[self._launched - 1] if self._launched else None
+                if previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
+                    return
+                bucket = self.buckets[self._launched]
+                self._launched += 1
+                self._launch(bucket)
+        finally:
+            self._pumping = False
 
     def _launch(self, bucket: Bucket) -> None:
         bucket.future_done = threading.Event()

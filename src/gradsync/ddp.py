@@ -39,7 +39,7 @@ from .mixed import MixedPrecisionParams
 from .reducer import Reducer
 from .stats import Stats
 from .trace import chrome_trace, write_chrome_trace
-from .unused import find_tensors
+from .unused import find_tensors, route_through_sink
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
@@ -196,6 +196,10 @@ class DistributedDataParallel(nn.Module, Joinable):
                 self._mixed.cast_down(sync)
                 inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
             output = self.module(*inputs, **kwargs)
+            if self._searches_unused() and torch.is_grad_enabled():
+                # As torch's _DDPSink: an output left out of the loss is still visited by
+                # backward (with no gradient), so its parameters count as unused on this rank.
+                output = route_through_sink(output)
             if self._mixed is not None:  # queued first: full precision is back before write-back
                 self._mixed.restore_after_backward(output)
             if sync and self._divergence_every and self._syncs % self._divergence_every == 0:
@@ -215,7 +219,7 @@ class DistributedDataParallel(nn.Module, Joinable):
                         "(in a tuple, list, dict or dataclass is fine)."
                     )
                 self.reducer.prepare_for_backward(
-                    output if wants_outputs else None,
+                    output,
                     divisor=self._divisor(active),
                     micro_steps=self._micro_steps,
                 )
@@ -378,7 +382,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         passes it covers, and raises if they differ (no_sync() entered on some ranks only).
         Turn it off (on every rank) if ranks accumulating different numbers of micro-batches
         is intended. The counts ride in the last bucket's all-reduce; with a communication hook
-        or mixed precision they take one tiny all-reduce of their own, which this saves."""
+        or mixed precision they take one tiny all-reduce of their own at the end of backward.
+        They travel either way: beside the count, each rank says whether its backward ended
+        with gradients missing, so that every rank raises then."""
         if self.reducer is not None:
             self.reducer.check_accumulation = enabled and self.process_group.size() > 1
 

@@ -9,6 +9,7 @@ __all__ = [
     "ReductionTimeoutError",
     "format_names",
     "marked_twice_message",
+    "missing_gradients_message",
     "uneven_accumulation_message",
     "unfinished_reduction_message",
 ]
@@ -77,6 +78,51 @@ def unfinished_reduction_message(
         "gradsync: a new iteration started before the previous one finished reducing "
         f"gradients. {detail} Their buckets never filled, so the gradients were not "
         f"all-reduced.\nFixes:\n{numbered}"
+    )
+
+
+def missing_gradients_message(
+    per_rank: dict[int, list[tuple[int, str]]],
+    iteration: int,
+    find_unused: bool,
+    static_graph: bool,
+    rank: int,
+) -> str:
+    """Backward ended on some rank with buckets whose gradients never all came."""
+    lines = []
+    for r, entries in sorted(per_rank.items()):
+        buckets = sorted({b for b, _ in entries})
+        names = format_names([n for _, n in entries])
+        lines.append(f"  rank {r}: bucket(s) {', '.join(map(str, buckets))}: {names}")
+    if static_graph:
+        fixes = [
+            "With static_graph=True the parameters that get a gradient, and how often, must be "
+            "the same in every iteration as in the first: a branch taken in the first iteration "
+            "was skipped here. Drop static_graph=True (and pass find_unused_parameters=True) "
+            "if the graph changes.",
+        ]
+    elif find_unused:
+        fixes = [
+            "Compute the loss from the tensors forward returns: gradsync walks the graph from "
+            "them, and a loss built from something else (a tensor kept on the module, a second "
+            "forward) hides parameters from the search.",
+            "Do not restrict backward to some tensors (backward(inputs=...)) or take gradients "
+            "with torch.autograd.grad alone: the parameters' .grad must be accumulated.",
+        ]
+    else:
+        fixes = [
+            "Pass find_unused_parameters=True if some parameters take no part in the loss in "
+            "some iterations or on some ranks (outputs left out of the loss, skipped branches); "
+            "it costs a graph walk per iteration.",
+            "Otherwise make every parameter take part in the loss, or set requires_grad=False "
+            "on the ones that never train.",
+        ]
+    numbered = "\n".join(f"  {n}. {fix}" for n, fix in enumerate(fixes, 1))
+    return (
+        f"gradsync: backward ended in iteration {iteration} with gradients that never came, so "
+        "their buckets could not be reduced (raised on every rank; this is rank "
+        f"{rank}). Parameters without a gradient, by rank:\n" + "\n".join(lines) + "\n"
+        "The gradients were not written back.\nFixes:\n" + numbered
     )
 
 

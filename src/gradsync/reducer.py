@@ -30,9 +30,10 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import accumulation
 from .bucket import FUSED_COPY_MIN_NUMEL, Bucket
 from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
-from .collectives import broadcast_tensors, wait_error
+from .collectives import all_gather_objects, broadcast_tensors, wait_error
 from .comm import CommHook, HookChain, check_hook, hook_name
 from .config import ReducerConfig
 from .errors import (
@@ -40,6 +41,7 @@ from .errors import (
     ReductionTimeoutError,
     format_names,
     marked_twice_message,
+    missing_gradients_message,
     uneven_accumulation_message,
     unfinished_reduction_message,
 )
@@ -90,8 +92,10 @@ class Reducer:
         # no_sync() entered on some ranks only is an error at once, not silently mixed steps.
         self.check_accumulation = self.world_size > 1
         self._micro_steps = 1
-        self._ride = False  # counts ride in the last bucket's all-reduce this iteration
-        self._count_templates: dict[int, torch.Tensor] = {}
+        self._ride = False  # reports ride in the last bucket's all-reduce this iteration
+        self._report_templates: dict[tuple[int, bool], torch.Tensor] = {}
+        # Parameters whose gradient never came when this iteration's backward ended.
+        self._missing: list[int] = []
         self.last_unused_report: dict[str, list[int]] = {}
         self._chain: HookChain | None = None
         reduce_dtype = self.config.reduce_dtype
@@ -120,7 +124,7 @@ class Reducer:
         self._static_unused: list[int] = []
         self._learning_counts = False
         self._fires: list[int] = []
-        self._start_hooks: list = []
+        self._watching = False  # the outputs' backward nodes will queue the end of backward
         self._reset_iteration_state()
         # The hooks hold the reducer weakly: parameters outlive wrappers (a module can be
         # wrapped again), and a reducer kept alive by its own hooks would keep its process group
@@ -147,7 +151,8 @@ class Reducer:
                 self.params,
                 sparse=self.expect_sparse_gradient[indices[0]],
                 dtype=self.config.bucket_dtype,
-                # The last bucket carries each rank's micro-step count (`check_accumulation`).
+                # The last bucket carries each rank's report (`accumulation`): its micro-step
+                # count and whether gradients were missing.
                 tail=self.world_size
                 if b == len(layout) - 1 and self.world_size > 1 and not self.expect_sparse_gradient[indices[0]]
                 else 0,
@@ -194,10 +199,17 @@ class Reducer:
         self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
         self._check_sparse_buckets(self.bucket_indices)
 
+    def _rebuild_due(self) -> bool:
+        # As torch: after the first synchronised iteration, or with a static graph the second
+        # (the first only counts hooks, reducing everything at its end, in no real order).
+        return self._needs_rebuild and len(self.history) >= (2 if self._static else 1)
+
     def _rebuild_buckets(self) -> None:
-        """Re-bucket once, in rank 0's ready order of the first synchronised iteration."""
+        """Re-bucket once, in rank 0's ready order of the last synchronised iteration, the
+        parameters marked unused (which torch hears of only at the end) last."""
         self._needs_rebuild = False
-        local = self.history[-1].ready_order() if self.history else []
+        last = self.history[-1] if self.history else None
+        local = [i for _, i in last.order(EventKind.READY)] + [i for _, i in last.order(EventKind.UNUSED)] if last else []
         order = self._broadcast_order(local)
         if sorted(order) != list(range(len(self.params))):
             return  # rank 0 did not see every gradient; every rank skips alike
@@ -225,13 +237,15 @@ class Reducer:
         """Start a synchronised iteration; call from forward with its outputs.
 
         With find_unused_parameters, parameters not reachable from `outputs` will be marked
-        ready as soon as backward starts. Gradients are averaged over `divisor` ranks (default:
-        the group size; fewer when ranks have joined early and the caller says so).
-        `micro_steps` counts the forwards this synchronisation covers (1 + those under no_sync);
-        every rank must cover the same number (see `check_accumulation`).
+        ready as soon as backward starts. Whenever `outputs` hold tensors, the end of the
+        backward through them is where the iteration is finished: a bucket whose gradients
+        never came is reported there, on every rank. Gradients are averaged over `divisor`
+        ranks (default: the group size; fewer when ranks have joined early and the caller says
+        so). `micro_steps` counts the forwards this synchronisation covers (1 + those under
+        no_sync); every rank must cover the same number (see `check_accumulation`).
         """
         self._check_prior_reduction_finished()
-        if self._needs_rebuild and self.history:
+        if self._rebuild_due():
             self._rebuild_buckets()
         self.iteration += 1
         self._reset_iteration_state()
@@ -241,12 +255,13 @@ class Reducer:
         self._divisor = divisor or self.world_size
         self._inv_divisor = 1.0 / self._divisor
         self._micro_steps = micro_steps
+        tensors = find_tensors(outputs) if outputs is not None else []
         if self._find_unused:
-            reached = reachable_parameters(find_tensors(outputs))
+            reached = reachable_parameters(tensors)
             self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
             self._has_marked_unused = not self._unused
         if self.config.static_graph:
-            self._prepare_static_iteration(outputs)
+            self._prepare_static_iteration()
         self._timeline = IterationTimeline(
             iteration=self.iteration,
             start_ns=now_ns(),
@@ -255,7 +270,18 @@ class Reducer:
         )
         self._timeline.forward_start_ns = self._forward_start_ns
         self._chain = self._new_chain()
-        self._ride = self._counts_ride_along()
+        self._ride = self._reports_ride_along()
+        self._watch_backward_start(tensors)
+
+    def _watch_backward_start(self, outputs: list[torch.Tensor]) -> None:
+        # Backward reaches forward's outputs first, in the outermost backward (a reentrant
+        # checkpoint's nested backward comes later, inside it). A callback queued from there
+        # runs when that whole backward has ended: the one place to see a bucket left unfilled.
+        nodes = {id(t.grad_fn): t.grad_fn for t in outputs if t.grad_fn is not None}
+        hook = functools.partial(_on_backward_start, weakref.ref(self), self.iteration)
+        for node in nodes.values():
+            node.register_prehook(hook)
+        self._watching = bool(nodes)
 
     def prepare_for_forward(self) -> None:
         """Note that a new forward has started (call it on every forward, synced or not).
@@ -281,6 +307,8 @@ class Reducer:
     def _clear_reduction_state(self) -> None:
         self._require_finalize = False
         self._finalize_queued = False
+        self._end_queued = False
+        self._missing = []
         self._next_bucket = 0
         self._used_work: dist.Work | None = None
         self._used_map: torch.Tensor | None = None
@@ -289,6 +317,8 @@ class Reducer:
             bucket.reset()
 
     def _check_prior_reduction_finished(self) -> None:
+        # Reached only where the end of backward could not be seen (forward returned no
+        # tensor, or the loss did not come from its outputs): report the missing gradients now.
         if not self._require_finalize:
             return
         missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
@@ -313,41 +343,29 @@ class Reducer:
     # reduces everything at the very end of backward. Later iterations mark a parameter ready on
     # its last firing, and the parameters that never fired are marked ready up front.
 
-    def _prepare_static_iteration(self, outputs: object) -> None:
+    def _prepare_static_iteration(self) -> None:
         self._fires = [0] * len(self.params)
         self._learning_counts = not self._hook_counts
         if not self._learning_counts:
             self._unused = list(self._static_unused)
             self._has_marked_unused = not self._unused
-            return
-        # Queue the end-of-iteration work from the outputs' own backward nodes, which run in
-        # the outermost backward; a hook may fire inside a reentrant (nested) one, whose end
-        # would come too early.
-        me = weakref.ref(self)
-        self._start_hooks = [
-            t.grad_fn.register_prehook(functools.partial(_queue_first_static_finish, me))
-            for t in find_tensors(outputs)
-            if t.grad_fn is not None
-        ]
 
-    def _on_first_static_fire(self, index: int) -> None:
+    def _on_first_static_fire(self, index: int, param: torch.Tensor) -> None:
         self._require_finalize = True
+        if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
+            self._local_used[index] = 1
         if self._fires[index] == 1:
             self._timeline.events.append((now_ns(), EventKind.READY, index))
-        if not self._start_hooks and not self._finalize_queued:  # no outputs seen: best effort
-            self._finalize_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_first_static)
+        if not self._watching and not self._end_queued:  # no outputs seen: best effort
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _finish_first_static(self) -> None:
         """End of the first static-graph backward: learn the counts, then reduce everything."""
-        for handle in self._start_hooks:
-            handle.remove()
-        self._start_hooks = []
         fired = self._timeline.ready_order()
         self._hook_counts = list(self._fires)
         self._static_unused = [i for i, n in enumerate(self._fires) if n == 0]
         self._learning_counts = False
-        self._local_used = bytearray(1 if n else 0 for n in self._fires)
         self._timeline.events.clear()
         for index in fired:
             self._mark(index, EventKind.READY)
@@ -359,10 +377,11 @@ class Reducer:
 
     # ----------------------------------------------------------------------- hot path
 
-    def _autograd_hook(self, index: int, _param: torch.Tensor) -> None:
+    def _autograd_hook(self, index: int, param: torch.Tensor) -> None:
         # Runs once per parameter per backward: plain bookkeeping only. Gradients are copied
         # into the bucket in one batch when its last one arrives (`_fill`).
-        if self._find_unused:
+        if self._find_unused and param.grad is not None:
+            # Without a gradient (behind an output left out of the loss) it is unused here.
             self._local_used[index] = 1
         if not self._expect_hooks:
             if self._reduced and self._marked[index]:
@@ -371,7 +390,7 @@ class Reducer:
         if self._static:  # ready only after its last firing
             self._fires[index] += 1
             if self._learning_counts:
-                self._on_first_static_fire(index)
+                self._on_first_static_fire(index, param)
                 return
             if self._fires[index] < self._hook_counts[index]:
                 return
@@ -383,7 +402,7 @@ class Reducer:
             self._mark_unused()
         self._mark(index, EventKind.READY)
         if self._next_bucket == len(self.buckets) and not self._finalize_queued:
-            self._queue_finish()
+            self._all_launched()
 
     def _mark_unused(self) -> None:
         # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
@@ -403,11 +422,43 @@ class Reducer:
             if bucket.index == self._next_bucket:
                 self._start_ready_buckets()
 
-    def _queue_finish(self) -> None:
+    def _all_launched(self) -> None:
+        """Every bucket is on its way: reduce the used map; finish at the end of backward."""
         self._finalize_queued = True
         if self._find_unused and self._chain is None:
             self._start_used_map_reduction()
-        torch.autograd.Variable._execution_engine.queue_callback(self.finish_backward)
+        if not self._end_queued:  # backward did not come through the outputs: finish as torch
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Queued once per iteration on the autograd engine; runs when backward has ended."""
+        self._end_queued = False
+        if not self._expect_hooks:
+            return  # finished already
+        if not self._require_finalize:
+            return  # no gradient of ours came (torch.autograd.grad): wait for the real backward
+        if self._learning_counts:
+            self._finish_first_static()
+            return
+        if self._next_bucket < len(self.buckets):
+            self._complete_missing()
+        self.finish_backward()
+
+    def _complete_missing(self) -> None:
+        """Backward ended with buckets not full: some gradients never came. Launch those buckets
+        anyway (zeros where a gradient is missing), so every rank's collectives still match
+        and no rank waits for them, and flag it in this rank's report: the end of backward then
+        raises on every rank, naming the parameters (`_raise_missing`)."""
+        if not self._has_marked_unused:
+            self._mark_unused()
+        self._missing = [i for i, done in enumerate(self._marked) if not done]
+        for index in self._missing:
+            self._mark(index, EventKind.UNUSED)
+        if not self._finalize_queued:
+            self._finalize_queued = True
+            if self._find_unused and self._chain is None:
+                self._start_used_map_reduction()
 
     def _fill(self, bucket: Bucket) -> None:
         """Copy the bucket's gradients in, scaled by 1/world (zeros where there is none)."""
@@ -497,8 +548,6 @@ class Reducer:
     def _start_ready_buckets(self) -> None:
         """Launch, strictly in order, every bucket that is full and not yet launched."""
         buckets, events = self.buckets, self._timeline.events
-        if self._next_bucket == 0 and self.check_accumulation and not self._ride and self._accumulation is None:
-            self._start_accumulation_check()  # first, so every rank issues it at the same point
         while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
             bucket = buckets[self._next_bucket]
             bucket.payload = self._payload(bucket)
@@ -508,7 +557,7 @@ class Reducer:
             events.append((now_ns(), EventKind.LAUNCH, bucket.index))
             wire = bucket.payload
             if self._ride and bucket.tail is not None:
-                wire = self._attach_counts(bucket)
+                wire = self._attach_report(bucket)
             with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
                 bucket.work = self.process_group.allreduce([wire])
             bucket.work.get_future().add_done_callback(
@@ -537,8 +586,10 @@ class Reducer:
         try:
             with torch.no_grad(), _profiled("gradsync.finish_backward"):
                 self._wait_buckets()
-                self._finish_accumulation_check()
+                if not self._ride:  # after every bucket and the used map, on every rank
+                    self._start_report_reduction()
                 used = self._finish_used_map_reduction()
+                self._finish_report_check()  # raises before any gradient is written back
                 if self._static:  # the first iteration's global used map holds for good
                     used = self._static_used = used if used is not None else self._static_used
                 for bucket in self.buckets:
@@ -590,7 +641,7 @@ class Reducer:
                 self._wait_work(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
             else:
                 self._accept_hook_value(bucket, chain.result(bucket, self.config.timeout))
-        if chain is not None and self._find_unused:
+        if chain is not None and (self._find_unused or (self._static and self._static_used is None)):
             # Only now: a collective started earlier could interleave with the chain's.
             self._start_used_map_reduction()
 
@@ -672,48 +723,79 @@ class Reducer:
         }
         return [sum(m[i] for m in per_rank) for i in range(len(self.names))]
 
-    # Every synchronisation compares, across ranks, how many micro-steps (forwards) it covers:
-    # one slot per rank, summed. Without a hook the slots ride after the last bucket's gradients
-    # in its own all-reduce (free); otherwise they go in a tiny all-reduce of their own.
+    # At the end of every synchronisation each rank reports its micro-step count and whether
+    # its backward ended with gradients missing (`accumulation`). Without a hook the reports
+    # ride after the last bucket's gradients in its own all-reduce (free); otherwise they go in
+    # a tiny all-reduce of their own, after every bucket.
 
-    def _counts_ride_along(self) -> bool:
+    def _reports_ride_along(self) -> bool:
         return (
-            self.check_accumulation
-            and self._comm_hook is None
+            self._comm_hook is None
             and not self._scale_at_launch
             and self.buckets[-1].tail is not None
         )
 
-    def _attach_counts(self, bucket: Bucket) -> torch.Tensor:
-        """Write this rank's count into the bucket's tail; return what to all-reduce."""
+    def _attach_report(self, bucket: Bucket) -> torch.Tensor:
+        """Write this rank's report into the bucket's tail; return what to all-reduce."""
         assert bucket.tail is not None
-        steps = min(self._micro_steps, 255)  # exact in every float dtype, bfloat16 included
-        template = self._count_templates.get(steps)
+        key = (self._micro_steps, bool(self._missing))
+        template = self._report_templates.get(key)
         if template is None or template.dtype != bucket.tail.dtype or template.device != bucket.tail.device:
-            template = torch.zeros_like(bucket.tail)
-            template[self.rank] = steps
-            self._count_templates[steps] = template
+            if len(self._report_templates) > 64:  # counts that keep changing: stay bounded
+                self._report_templates.clear()
+            template = accumulation.encode(torch.empty_like(bucket.tail), self.rank, *key)
+            self._report_templates[key] = template
         bucket.tail.copy_(template)
         self._accumulation = (bucket.tail, None)  # waited for with the bucket itself
         return bucket.wire
 
-    def _start_accumulation_check(self, micro_steps: int | None = None) -> None:
-        """All-reduce one slot per rank holding its micro-step count (a joined rank: 0)."""
-        counts = torch.zeros(self.world_size, dtype=torch.int64, device=self.buckets[0].buffer.device)
-        counts[self.rank] = self._micro_steps if micro_steps is None else micro_steps
-        self._accumulation = (counts, self.process_group.allreduce([counts]))
-
-    def _finish_accumulation_check(self) -> None:
-        if self._accumulation is None:
+    def _start_report_reduction(self) -> None:
+        """All-reduce the reports on their own."""
+        if self.world_size == 1:
             return
-        counts, work = self._accumulation
+        reports = torch.empty(self.world_size, dtype=torch.int64, device=self.buckets[0].buffer.device)
+        accumulation.encode(reports, self.rank, self._micro_steps, bool(self._missing))
+        self._accumulation = (reports, self.process_group.allreduce([reports]))
+
+    def _finish_report_check(self) -> None:
+        if self._accumulation is None:  # world size 1: nobody else to tell
+            if self._missing:
+                self._raise_missing([accumulation.RankReport(self._micro_steps, True)])
+            return
+        values, work = self._accumulation
         self._accumulation = None
         if work is not None:
-            self._wait_work(work, "all-reduce of the ranks' micro-step counts")
-        per_rank = [round(c) for c in counts.tolist()]
-        active = {c for c in per_rank if c > 0}  # 0: a joined rank, which has no say
+            self._wait_work(work, "all-reduce of the ranks' reports (micro-step counts)")
+        self._check_reports(accumulation.decode(values.tolist(), values.dtype))
+
+    def _check_reports(self, reports: list[accumulation.RankReport]) -> None:
+        if any(r.micro_steps is None for r in reports):  # a count too large to ride: ask
+            exact = torch.zeros(self.world_size, dtype=torch.int64, device=self.buckets[0].buffer.device)
+            exact[self.rank] = self._micro_steps
+            self._wait_work(self.process_group.allreduce([exact]), "all-reduce of exact micro-step counts")
+            reports = accumulation.exact_counts(reports, exact.tolist())
+        if any(r.missing for r in reports):
+            self._raise_missing(reports)
+        if not self.check_accumulation:
+            return
+        active = {r.micro_steps for r in reports if r.micro_steps}  # 0: a joined rank
         if len(active) > 1:
+            per_rank = [r.micro_steps or 0 for r in reports]
             raise GradSyncError(uneven_accumulation_message(per_rank, self.iteration))
+
+    def _raise_missing(self, reports: list[accumulation.RankReport]) -> None:
+        """Some rank's backward ended with gradients missing: every rank sees the flag in the
+        same reports, so every rank gathers the names (a collective) and raises alike."""
+        mine = [(self._bucket_of[i].index, self.names[i]) for i in self._missing]
+        everyone = [mine] if self.world_size == 1 else all_gather_objects(
+            self.process_group, mine, self.config.timeout
+        )
+        per_rank = {r: names for r, names in enumerate(everyone) if names}  # type: ignore[misc]
+        raise GradSyncError(
+            missing_gradients_message(
+                per_rank, self.iteration, self._find_unused, self._static, self.rank  # type: ignore[arg-type]
+            )
+        )
 
     def _wait_work(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
@@ -752,21 +834,29 @@ class Reducer:
     def shadow_iteration(self) -> None:
         """On a rank that has run out of data, match the collectives of one synchronised
         iteration of the ranks still training: contribute zeros to every bucket, in order."""
-        if self._needs_rebuild and self.history:
+        if self._rebuild_due():
             self._rebuild_buckets()
-        ride = self._counts_ride_along()
-        if self.check_accumulation and not ride:
-            self._start_accumulation_check(micro_steps=0)
-            self._finish_accumulation_check()
+        self._missing = []
+        self._micro_steps = 0  # a joined rank has no say in the comparison
+        ride = self._reports_ride_along()
         if self._comm_hook is not None:
             self._shadow_hooks()
-            return
-        zeros = [torch.zeros_like(b.wire if ride else b.buffer) for b in self.buckets]
+        else:
+            zeros = [torch.zeros_like(b.wire if ride else b.buffer) for b in self.buckets]
+            for i, tensor in enumerate(zeros):
+                work = self.process_group.allreduce([tensor])
+                self._wait_work(work, f"shadow all-reduce {i} of a joined rank")
+            if ride:
+                self._accumulation = (zeros[-1].narrow(0, self.buckets[-1].buffer.numel(), self.buckets[-1].tail.numel()), None)  # type: ignore[union-attr]
+            self._shadow_used_map()
+        if not ride:
+            self._start_report_reduction()
+        self._finish_report_check()
+
+    def _shadow_used_map(self) -> None:
         if self._find_unused:
-            zeros.append(torch.zeros(len(self.params), dtype=torch.int32, device=zeros[0].device))
-        for i, tensor in enumerate(zeros):
-            work = self.process_group.allreduce([tensor])
-            self._wait_work(work, f"shadow all-reduce {i} of a joined rank")
+            used = torch.zeros(len(self.params), dtype=torch.int32, device=self.buckets[0].buffer.device)
+            self._wait_work(self.process_group.allreduce([used]), "joined rank's used map")
 
     def _shadow_hooks(self) -> None:
         """Run the hook on zero buckets: it issues the same collectives as the active ranks'."""
@@ -781,9 +871,7 @@ class Reducer:
         chain.release(len(zero))
         for bucket in zero:
             chain.result(bucket, self.config.timeout)
-        if self._find_unused:
-            used = torch.zeros(len(self.params), dtype=torch.int32, device=zero[0].buffer.device)
-            self._wait_work(self.process_group.allreduce([used]), "joined rank's used map")
+        self._shadow_used_map()
 
     # --------------------------------------------------------------------------- misc
 
@@ -838,11 +926,12 @@ class Reducer:
         self._hook_handles = []
 
 
-def _queue_first_static_finish(reducer: weakref.ref[Reducer], _grad_outputs: object) -> None:
+def _on_backward_start(reducer: weakref.ref[Reducer], iteration: int, _grads: object) -> None:
+    """Prehook of forward's output nodes: queue the end of this iteration's backward."""
     live = reducer()
-    if live is not None and live._learning_counts and not live._finalize_queued:
-        live._finalize_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(live._finish_first_static)
+    if live is not None and live.iteration == iteration and live._expect_hooks and not live._end_queued:
+        live._end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(live._end_of_backward)
 
 
 def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:

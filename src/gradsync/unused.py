@@ -6,11 +6,14 @@ its hook, so the Reducer marks it ready up front; otherwise its bucket would wai
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
-__all__ = ["find_tensors", "reachable_parameters"]
+__all__ = ["find_tensors", "reachable_parameters", "route_through_sink"]
 
 
 def find_tensors(obj: object) -> list[torch.Tensor]:
@@ -56,3 +59,71 @@ def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
                 seen.add(next_fn)
                 stack.append(next_fn)
     return reached
+
+
+# ------------------------------------------------------------------ outputs left out of the loss
+#
+# A parameter reachable from one of forward's outputs is not marked unused by the search, so its
+# bucket waits for its gradient. If that output is left out of the loss, autograd never visits
+# its subgraph and the gradient never comes. As torch's DDP does (`_DDPSink`), every output
+# passes through one autograd node: the engine then reaches every output from the loss, and
+# visits the subgraph behind an unused one with an undefined gradient. Its parameters' hooks
+# fire with no gradient, and the Reducer counts them as unused on this rank (`.grad` left as is).
+
+
+class _OutputSink(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None
+        # Cloned, as torch does: a view returned from a Function cannot be modified in place.
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return grads
+
+
+def route_through_sink(output: Any) -> Any:
+    """`output` with every tensor that has a `grad_fn` replaced by its pass through one shared
+    autograd node (see above); the structure (tuples, lists, dicts, named tuples, dataclasses,
+    pytree-registered types such as HF's ModelOutput) is rebuilt around the new tensors."""
+    found: list[torch.Tensor] = []
+
+    def collect(t: torch.Tensor) -> torch.Tensor:
+        found.append(t)
+        return t
+
+    _map_tensors(output, collect)
+    if not found:
+        return output
+    routed = iter(_OutputSink.apply(*found))
+    return _map_tensors(output, lambda _t: next(routed))
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """`obj` rebuilt with `fn(t)` for each tensor `t` that has a grad_fn, in a fixed order."""
+    leaves, spec = pytree.tree_flatten(obj, is_leaf=_is_plain_dataclass)
+    mapped = [_map_leaf(leaf, fn) for leaf in leaves]
+    return pytree.tree_unflatten(mapped, spec)
+
+
+def _map_leaf(leaf: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return fn(leaf) if leaf.grad_fn is not None else leaf
+    if _is_plain_dataclass(leaf):
+        fields = [f.name for f in dataclasses.fields(leaf) if f.init]
+        changes = {name: _map_tensors(getattr(leaf, name), fn) for name in fields}
+        try:
+            return dataclasses.replace(leaf, **changes)
+        except Exception:  # an __init__ or __post_init__ we cannot replay: leave it, as torch does
+            return leaf
+    return leaf
+
+
+def _is_plain_dataclass(obj: Any) -> bool:
+    """A dataclass instance that pytree does not know how to flatten itself."""
+    return (
+        dataclasses.is_dataclass(obj)
+        and not isinstance(obj, type)
+        and type(obj) not in pytree.SUPPORTED_NODES
+    )

@@ -10,8 +10,8 @@ Each hook has torch's signature, `hook(group, bucket) -> Future[Tensor]`, so it 
 group's own methods, so they work on any `dist.ProcessGroup`.
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations` here: torch's DDP reads the hooks' annotations at
+# registration and accepts only the real `dist.GradBucket` and `Future[Tensor]` objects.
 from collections.abc import Callable
 from typing import Any
 
@@ -28,20 +28,22 @@ __all__ = [
 ]
 
 Hook = Callable[[Any, Any], torch.futures.Future]
+Bucket = dist.GradBucket  # what torch hands a hook; gradsync hands one with the same methods
+Result = torch.futures.Future[torch.Tensor]
 
 
 def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
     return group if group is not None else dist.group.WORLD  # type: ignore[return-value]
 
 
-def mean_allreduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> torch.futures.Future:
+def mean_allreduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> Result:
     """Average `tensor` across the group, in place; divide first so half precision can't overflow."""
     group = _group(group)
     tensor.div_(group.size())
     return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])
 
 
-def allreduce_hook(group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future:
+def allreduce_hook(group: dist.ProcessGroup | None, bucket: Bucket) -> Result:
     """The default behaviour as a hook: average the bucket across ranks."""
     return mean_allreduce(group, bucket.buffer())
 
@@ -49,7 +51,7 @@ def allreduce_hook(group: dist.ProcessGroup | None, bucket: Any) -> torch.future
 def compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
     """Run `hook` on the bucket cast to `dtype`; hand back the result in the bucket's dtype."""
 
-    def compressed_hook(state: Any, bucket: Any) -> torch.futures.Future:
+    def compressed_hook(state: Any, bucket: Bucket) -> Result:
         full = bucket.buffer()
         bucket.set_buffer(full.to(dtype))
         return hook(state, bucket).then(lambda fut: full.copy_(_value(fut)))
@@ -58,12 +60,12 @@ def compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
     return compressed_hook
 
 
-def fp16_compress_hook(group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future:
+def fp16_compress_hook(group: dist.ProcessGroup | None, bucket: Bucket) -> Result:
     """Average in float16: half the bytes on the wire."""
     return _compress_allreduce(torch.float16, group, bucket)
 
 
-def bf16_compress_hook(group: dist.ProcessGroup | None, bucket: Any) -> torch.futures.Future:
+def bf16_compress_hook(group: dist.ProcessGroup | None, bucket: Bucket) -> Result:
     """Average in bfloat16: half the bytes on the wire, float32's range."""
     return _compress_allreduce(torch.bfloat16, group, bucket)
 
@@ -76,7 +78,7 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
     return compress_wrapper(torch.bfloat16, hook)
 
 
-def _compress_allreduce(dtype: torch.dtype, group: dist.ProcessGroup | None, bucket: Any):
+def _compress_allreduce(dtype: torch.dtype, group: dist.ProcessGroup | None, bucket: Bucket) -> Result:
     full = bucket.buffer()
     return mean_allreduce(group, full.to(dtype)).then(lambda fut: full.copy_(fut.value()))
 

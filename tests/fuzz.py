@@ -1,0 +1,327 @@
+"""Randomized parity with torch's DDP: generated models x configurations, one seed a case.
+
+`Case.from_seed(seed)` draws a model (branches used by rank or iteration, outputs left out of the
+loss, frozen and tied parameters, buffers, sparse and dense embeddings, a float64 branch) and a
+configuration (find_unused_parameters, static_graph, bucket caps down to one parameter per
+bucket, gradient_as_bucket_view, no_sync accumulation, torch's and gradsync's communication
+hooks, SGD or Adam, world size 2 or 3) within what torch's DDP accepts. `run_case` trains it
+under gradsync's wrapper and torch's, side by side on the same gloo groups, and returns the
+differences: gradients (None-ness included) every step, parameters and buffers at the end, and
+parameters across ranks. The same seed always gives the same case:
+
+    python benchmarks/random_parity.py --seed 1234      # rerun one case
+    pytest tests/threaded/test_random_parity.py         # the fast slice
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import random
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import gradsync
+from gradsync import comm_hooks
+from gradsync.testing import run_threaded, seeded
+
+__all__ = ["Case", "run_case"]
+
+# When a block takes part: always, on some ranks, in some iterations, or both.
+USES = ("always", "rank", "iter", "rank_iter", "never")
+# The same hook on both sides. torch refuses its own bf16 hook off NCCL; gradsync's runs on both.
+HOOKS = ("none", "torch_allreduce", "torch_fp16", "gradsync_fp16", "gradsync_bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    kind: str  # linear | branch | frozen | tied | double | embed | bn
+    use: str = "always"  # for branch: when it runs
+    aux: str = "none"  # if not "none": its output is also returned, and the loss uses it then
+    head: str = "linear"  # the aux output's head: a Linear of its own, or parameter-free
+    sparse: bool = False  # embed only
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    seed: int
+    width: int
+    blocks: tuple[Block, ...]
+    container: str  # how forward returns its outputs: tuple | dict | list
+    world_size: int
+    find_unused: bool
+    static_graph: bool
+    bucket_cap_mb: float | None
+    as_view: bool
+    micro_steps: int
+    accumulate_with: str  # no_sync | flag
+    hook: str
+    optimizer: str  # sgd | adam
+    set_to_none: bool
+    broadcast_buffers: bool
+    steps: int
+
+    @classmethod
+    def from_seed(cls, seed: int) -> Case:
+        rng = random.Random(seed)
+        # A static graph may differ between ranks, not between iterations; and torch's refuses
+        # an output left out of the loss (on some rank) whose head has parameters of its own
+        # (it waits for their gradients from the second iteration on).
+        static = rng.random() < 0.25
+        uses = ("always", "rank") if static else USES[:4]
+        blocks = [Block("linear")]
+        for _ in range(rng.randint(1, 5)):
+            kind = rng.choice(("linear", "branch", "branch", "frozen", "tied", "double", "embed", "bn"))
+            use = rng.choice(uses) if kind == "branch" else "always"
+            aux = "none"
+            if kind in ("linear", "branch", "double"):
+                aux = rng.choice(("none", "none") + (uses + ("never",) if static else USES))
+            head = "free" if static and aux in ("never", "rank") else rng.choice(("linear", "linear", "free"))
+            blocks.append(Block(kind, use, aux, head, sparse=kind == "embed" and rng.random() < 0.5))
+        sparse = any(b.sparse for b in blocks)
+        varies = any(b.use != "always" or b.aux not in ("none", "always", "never") for b in blocks)
+        left_out = any(b.aux == "never" and b.head == "linear" for b in blocks)
+        # torch refuses these (so they are not drawn): a parameter that goes unused without
+        # find_unused_parameters; sparse gradients with a hook, a bucket view or Adam.
+        find_unused = (varies or left_out) and not static or rng.random() < 0.3
+        hook = "none" if sparse else rng.choice(HOOKS)
+        return cls(
+            seed=seed,
+            width=rng.choice((4, 6, 8)),
+            blocks=tuple(blocks),
+            container=rng.choice(("tuple", "dict", "list")),
+            world_size=rng.choice((2, 3)),
+            find_unused=find_unused,
+            static_graph=static,
+            bucket_cap_mb=rng.choice((None, 0.0005, 1e-7)),
+            as_view=not sparse and rng.random() < 0.4,
+            micro_steps=rng.choice((1, 1, 2, 3)),
+            accumulate_with=rng.choice(("no_sync", "flag")),
+            hook=hook,
+            optimizer="sgd" if sparse else rng.choice(("sgd", "adam")),
+            set_to_none=rng.random() < 0.7,
+            broadcast_buffers=rng.random() < 0.7,
+            steps=rng.choice((3, 4)),
+        )
+
+    def torch_kwargs(self) -> dict[str, Any]:
+        """torch's DDP for the same case. Its static_graph fails an internal assert on
+        accumulation (no_sync or the flag); a static graph changes nothing in the results, so
+        torch then runs the dynamic equivalent."""
+        kwargs = self.ddp_kwargs()
+        if self.static_graph and self.micro_steps > 1:
+            kwargs.update(static_graph=False, find_unused_parameters=True)
+        return kwargs
+
+    def ddp_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = dict(
+            find_unused_parameters=self.find_unused,
+            static_graph=self.static_graph,
+            gradient_as_bucket_view=self.as_view,
+            broadcast_buffers=self.broadcast_buffers,
+        )
+        if self.bucket_cap_mb is not None:
+            kwargs["bucket_cap_mb"] = self.bucket_cap_mb
+        return kwargs
+
+    def rerun(self) -> str:
+        return f"python benchmarks/random_parity.py --seed {self.seed}"
+
+
+def used(use: str, rank: int, step: int) -> bool:
+    return {
+        "always": True,
+        "never": False,
+        "rank": rank % 2 == 0,
+        "iter": step % 2 == 1,
+        "rank_iter": (rank + step) % 2 == 0,
+    }[use]
+
+
+class Generated(nn.Module):
+    """The model a `Case` describes; forward(x, rank, step) returns the outputs and which of
+    them the loss takes."""
+
+    def __init__(self, case: Case) -> None:
+        super().__init__()
+        d = case.width
+        self.case = case
+        self.inp = nn.Linear(8, d)
+        self.layers = nn.ModuleList()
+        self.heads = nn.ModuleDict()
+        for i, block in enumerate(case.blocks):
+            layer: nn.Module
+            if block.kind == "embed":
+                layer = nn.Embedding(16, d, sparse=block.sparse)
+            elif block.kind == "bn":
+                layer = nn.BatchNorm1d(d)
+            elif block.kind == "double":
+                layer = nn.Linear(d, d).double()
+            elif block.kind == "tied":
+                layer = nn.Linear(d, d, bias=True)
+                layer.weight = self.layers[0].weight  # shared with the first block
+            else:
+                layer = nn.Linear(d, d)
+            if block.kind == "frozen":
+                layer.requires_grad_(False)
+            self.layers.append(layer)
+            if block.aux != "none":
+                self.heads[str(i)] = nn.Linear(d, 3) if block.head == "linear" else nn.Tanh()
+
+    def forward(self, x: torch.Tensor, rank: int, step: int) -> Any:
+        h = torch.tanh(self.inp(x))
+        outputs: dict[str, torch.Tensor] = {}
+        for i, (block, layer) in enumerate(zip(self.case.blocks, self.layers)):
+            if block.kind == "branch" and not used(block.use, rank, step):
+                pass  # skipped: its parameters take no part on this rank in this step
+            elif block.kind == "embed":
+                idx = (x[:, :2].abs() * 5).long().clamp(max=15)
+                h = h + layer(idx).mean(dim=1)
+            elif block.kind == "double":
+                h = h + torch.tanh(layer(h.double())).float()
+            else:
+                h = torch.tanh(layer(h))
+            if str(i) in self.heads:
+                outputs[f"aux{i}"] = self.heads[str(i)](h)
+        outputs["main"] = h
+        if self.case.container == "dict":
+            return outputs
+        values = list(outputs.values())
+        return tuple(values) if self.case.container == "tuple" else values
+
+
+def loss_of(case: Case, outputs: Any, rank: int, step: int) -> torch.Tensor:
+    named = outputs if isinstance(outputs, dict) else dict(
+        zip([k for k in _output_names(case)], outputs)
+    )
+    loss = named["main"].pow(2).mean()
+    for i, block in enumerate(case.blocks):
+        if block.aux != "none" and used(block.aux, rank, step):
+            loss = loss + named[f"aux{i}"].pow(2).mean()
+    return loss
+
+
+def _output_names(case: Case) -> list[str]:
+    return [f"aux{i}" for i, b in enumerate(case.blocks) if b.aux != "none"] + ["main"]
+
+
+def _register_hook(ddp: Any, case: Case, group: Any) -> None:
+    if case.hook == "none":
+        return
+    hook: Any = {
+        "torch_allreduce": default_hooks.allreduce_hook,
+        "torch_fp16": default_hooks.fp16_compress_hook,
+        "gradsync_fp16": comm_hooks.fp16_compress_hook,
+        "gradsync_bf16": comm_hooks.bf16_compress_hook,
+    }[case.hook]
+    if case.hook == "gradsync_bf16":  # torch refuses a hook of this name off NCCL; not its code
+        inner = hook
+
+        def hook(state, bucket):  # unannotated: torch checks annotations, and these are strings
+            return inner(state, bucket)
+
+    ddp.register_comm_hook(group, hook)
+
+
+def train(wrapper_cls: type, rank: int, group: Any, case: Case, batches: list[torch.Tensor]) -> dict:
+    model = seeded(lambda: Generated(case), case.seed)
+    kwargs = case.torch_kwargs() if wrapper_cls is TorchDDP else case.ddp_kwargs()
+    ddp = wrapper_cls(model, process_group=group, **kwargs)
+    _register_hook(ddp, case, group)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt: torch.optim.Optimizer = (
+        torch.optim.SGD(params, lr=0.05, momentum=0.9)
+        if case.optimizer == "sgd"
+        else torch.optim.Adam(params, lr=0.01)
+    )
+    ws = group.size()
+    grads = []
+    for step, batch in enumerate(batches):
+        opt.zero_grad(set_to_none=case.set_to_none)
+        micro = batch.chunk(ws)[rank].chunk(case.micro_steps)
+        for j, x in enumerate(micro):
+            last = j == len(micro) - 1
+            if case.accumulate_with == "no_sync":
+                ctx = contextlib.nullcontext() if last else ddp.no_sync()
+            else:
+                ddp.require_backward_grad_sync = last
+                ctx = contextlib.nullcontext()
+            with ctx:
+                loss_of(case, ddp(x, rank, step), rank, step).div(len(micro)).backward()
+        grads.append({n: _copy(p.grad) for n, p in model.named_parameters()})
+        opt.step()
+    result = {
+        "grads": grads,
+        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "buffers": {n: b.clone() for n, b in model.named_buffers()},
+    }
+    del ddp, opt
+    return result
+
+
+def _copy(grad: torch.Tensor | None) -> torch.Tensor | None:
+    if grad is None:
+        return None
+    return grad.detach().to_dense().clone() if grad.is_sparse else grad.detach().clone()
+
+
+def _both(rank: int, group: Any, case: Case, batches: list[torch.Tensor]) -> tuple[dict, dict]:
+    ours = train(gradsync.DistributedDataParallel, rank, group, case, batches)
+    theirs = train(TorchDDP, rank, group, case, batches)
+    return ours, theirs
+
+
+def compare(case: Case, results: list[tuple[dict, dict]]) -> list[str]:
+    """Every difference, described; empty when gradsync matches torch on every rank."""
+    exact = case.world_size == 2
+    precision = case.hook[-4:] if case.hook.endswith(("fp16", "bf16")) else "fp32"
+    problems: list[str] = []
+    for rank, (ours, theirs) in enumerate(results):
+        for step, (g, t) in enumerate(zip(ours["grads"], theirs["grads"])):
+            for name in t:
+                problems += _differs(g[name], t[name], exact, f"rank {rank} step {step} grad {name}", precision)
+        for kind in ("params", "buffers"):
+            for name in theirs[kind]:
+                problems += _differs(
+                    ours[kind][name], theirs[kind][name], exact, f"rank {rank} {kind[:-1]} {name}", precision
+                )
+    for rank in range(1, len(results)):
+        for name, p in results[0][0]["params"].items():
+            problems += _differs(results[rank][0]["params"][name], p, True, f"gradsync rank {rank} vs rank 0 param {name}")
+    return problems
+
+
+def _differs(
+    a: torch.Tensor | None, b: torch.Tensor | None, exact: bool, what: str, precision: str = "fp32"
+) -> list[str]:
+    if (a is None) != (b is None):
+        return [f"{what}: gradsync {'None' if a is None else 'a tensor'}, torch {'None' if b is None else 'a tensor'}"]
+    if a is None or b is None:
+        return []
+    # At 3 ranks a ring all-reduce sums each element in an order set by where the bucket's
+    # chunks fall, and gradsync's last bucket carries its ranks' reports after the gradients:
+    # last-bit differences, which Adam and 4-row batch norms can grow to ~1e-5 in a few steps.
+    # A hook that reduces in half precision rounds at its precision instead.
+    if exact:
+        same = torch.equal(a, b)
+    else:
+        rtol, atol = {"fp16": (1e-2, 1e-4), "bf16": (5e-2, 1e-3)}.get(precision, (1e-4, 1e-6))
+        same = torch.allclose(a, b, rtol=rtol, atol=atol)
+    if same:
+        return []
+    return [f"{what}: max |diff| {(a.double() - b.double()).abs().max().item():.3e}"]
+
+
+def run_case(case: Case, timeout: float = 60.0) -> list[str]:
+    g = torch.Generator().manual_seed(case.seed)
+    per_rank = 4 * case.micro_steps
+    batches = [torch.randn(case.world_size * per_rank, 8, generator=g) for _ in range(case.steps)]
+    try:
+        results = run_threaded(_both, case.world_size, case, batches, timeout=timeout)
+    except Exception as error:  # a raise or a hang on any rank is a mismatch too
+        return [f"raised: {type(error).__name__}: {str(error).splitlines()[0][:500]}"]
+    return compare(case, results)
