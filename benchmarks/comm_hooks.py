@@ -18,8 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import comm_hooks
-from gradsync.bench import interleave, markdown_table
 from gradsync.testing import run_processes
+from gradsync.tools.bench import interleave, markdown_table
 
 
 def _hooked(cls, group, hook):

@@ -13,19 +13,19 @@ import torch
 from step_time import MODELS, _variant
 
 from gradsync import DistributedDataParallel as GradsyncDDP
-from gradsync.bench import events_disabled, interleave, markdown_table
 from gradsync.testing import run_processes
+from gradsync.tools.bench import interleave, markdown_table
 
 
 def _without_events(make, repeat):
-    """A variant whose reducer records nothing (see gradsync.bench.events_disabled)."""
-    inner = _variant(make, lambda m: GradsyncDDP(m), repeat)
+    """A variant whose reducer records nothing (`ReducerConfig.record_events`)."""
 
-    def run() -> float:
-        with events_disabled():
-            return inner()
+    def quiet(model: torch.nn.Module) -> GradsyncDDP:
+        ddp = GradsyncDDP(model)
+        ddp.reducer.configure(record_events=False)  # type: ignore[union-attr]
+        return ddp
 
-    return run
+    return _variant(make, quiet, repeat)
 
 
 def _with_watchdog(model: torch.nn.Module) -> GradsyncDDP:

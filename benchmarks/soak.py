@@ -59,7 +59,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import comm_hooks
-from gradsync.collectives import all_gather_objects
+from gradsync.engine.collectives import all_gather_objects
 from gradsync.testing import make_gloo_group, run_processes
 
 # (gradsync wrapper's hook, torch wrapper's hook) per name. The same torch hook on both wrappers

@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
-from gradsync.bench import interleave, markdown_table, timed
 from gradsync.testing import run_processes
+from gradsync.tools.bench import interleave, markdown_table, timed
 
 
 def wide_mlp() -> tuple[nn.Module, torch.Tensor]:

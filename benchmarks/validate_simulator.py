@@ -3,7 +3,7 @@
     python benchmarks/validate_simulator.py            # writes docs/simulator/validation.md
 
 For each world size a torchrun job (gloo on 127.0.0.1) trains each model with gradsync's default
-layout and records its timing profile (`Reducer.timing_profile`, every rank's, the slowest kept),
+layout and records its timing profile (`gradsync.planning.simulate.timing_profile`, every rank's, the slowest kept),
 probes the all-reduce cost idle (`probe_cost_model`) and under load (`probe_under_load`), then
 measures three wrappers that differ only in their layout: default, planned (the simulator's
 plan for this run) and no overlap (one bucket, launched when the last gradient is ready). They
@@ -50,16 +50,16 @@ LAYOUTS = ("default", "planned", "no overlap")
 def _host(ranks: int):
     """This machine, as the simulator sees it: every rank on one host of `os.cpu_count()` cores,
     gloo's collectives on those cores."""
-    from gradsync.simulate import Host
+    from gradsync.planning.simulate import Host
 
     return Host(ranks=ranks, cores=os.cpu_count() or 1, cpu_collectives=True)
 
 
 def _measure_model(name: str, steps: int, rounds: int) -> dict:
     from gradsync import DistributedDataParallel
-    from gradsync.benchsuite import MODELS, _loss
-    from gradsync.planner import probe_cost_model, probe_sizes, probe_under_load
-    from gradsync.simulate import Network, Profile, simulate
+    from gradsync.planning.planner import probe_cost_model, probe_sizes, probe_under_load
+    from gradsync.planning.simulate import Network, Profile, simulate, timing_profile
+    from gradsync.tools.benchsuite import MODELS, _loss
 
     world, rank = dist.get_world_size(), dist.get_rank()
     g = torch.Generator().manual_seed(1000 + rank)
@@ -87,7 +87,7 @@ def _measure_model(name: str, steps: int, rounds: int) -> dict:
     run("default", 6)
     run("default", steps)
     profiles: list = [None] * world
-    dist.all_gather_object(profiles, default.reducer.timing_profile(window=steps))
+    dist.all_gather_object(profiles, timing_profile(default.reducer, window=steps))
     profile = Profile.slowest(profiles)
     sizes = probe_sizes(sum(profile.nbytes))
     cost = probe_cost_model(dist.group.WORLD, sizes=sizes, repeats=5)  # type: ignore[arg-type]
@@ -133,7 +133,7 @@ def worker(models: list[str], steps: int, rounds: int, out: str) -> None:
 
 
 def _load(run: dict, ranks: int):
-    from gradsync.planner import CostModel, LoadProbe
+    from gradsync.planning.planner import CostModel, LoadProbe
 
     if "load" not in run:  # measured before loaded probes existed
         return None
@@ -145,8 +145,8 @@ def predict(source: dict, ranks: int, host, target: dict | None) -> dict[str, fl
     """Predict `ranks` ranks from `source` (a model's run: profile and probes). `target`: the
     same model's run at `ranks`, whose probes describe the machine there (None: extrapolate
     the source's network and the fair-share stretch)."""
-    from gradsync.planner import CostModel
-    from gradsync.simulate import Network, Profile, simulate
+    from gradsync.planning.planner import CostModel
+    from gradsync.planning.simulate import Network, Profile, simulate
 
     p = source["profile"]
     profile = Profile(p["forward_ms"], tuple(p["ready_ms"]), tuple(p["nbytes"]), tuple(p["names"]), p["world_size"])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import random
 from typing import Any
 
@@ -320,8 +321,16 @@ def run_case(case: Case, timeout: float = 60.0) -> list[str]:
     g = torch.Generator().manual_seed(case.seed)
     per_rank = 4 * case.micro_steps
     batches = [torch.randn(case.world_size * per_rank, 8, generator=g) for _ in range(case.steps)]
+    # torch's DDP sits in reference cycles. Collected by an automatic collection inside a rank
+    # thread, in the middle of that rank's backward, an earlier case's wrapper can crash the
+    # process; so cycles are collected here only, between cases, with no rank running.
+    gc.collect()
+    gc.disable()
     try:
         results = run_threaded(_both, case.world_size, case, batches, timeout=timeout)
     except Exception as error:  # a raise or a hang on any rank is a mismatch too
         return [f"raised: {type(error).__name__}: {str(error).splitlines()[0][:500]}"]
+    finally:
+        gc.enable()
+        gc.collect()
     return compare(case, results)

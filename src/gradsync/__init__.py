@@ -12,16 +12,17 @@ underneath (bucketed all-reduce overlapped with backward), usable on its own.
 # here, while no group exists, the defaults are None.
 import torch.distributed.nn  # noqa: F401
 
-from .bucketing import compute_bucket_assignment_by_size
-from .config import ReducerConfig
-from .ddp import DistributedDataParallel, exclude_from_sync
-from .errors import GradSyncError, ReductionTimeoutError
-from .launch import init_process_group
-from .log import configure_from_env
-from .reducer import Reducer
-from .stats import BucketStats, IterationStats, Stats
-from .timeline import EventKind, IterationTimeline
-from .trace import chrome_trace, merge_traces, write_chrome_trace
+from .engine.bucketing import compute_bucket_assignment_by_size
+from .engine.config import ReducerConfig
+from .engine.errors import GradSyncError, ReductionTimeoutError
+from .engine.reducer import Reducer
+from .engine.timeline import EventKind, IterationTimeline
+from .observability.log import configure_from_env
+from .observability.stats import BucketStats, IterationStats, Stats
+from .observability.trace import chrome_trace, merge_traces, write_chrome_trace
+from .wrapper.ddp import DistributedDataParallel, exclude_from_sync
+from .wrapper.guards import ParameterDivergenceError
+from .wrapper.launch import init_process_group
 
 __all__ = [
     "BucketStats",
@@ -33,6 +34,7 @@ __all__ = [
     "DistributedDataParallel",
     "EventKind",
     "GradSyncError",
+    "ParameterDivergenceError",
     "IterationTimeline",
     "Reducer",
     "ReducerConfig",
@@ -44,4 +46,4 @@ __all__ = [
 
 __version__ = "0.1.0"
 
-configure_from_env()
+configure_from_env(strict=False)  # importing gradsync never raises

@@ -38,7 +38,7 @@ def main() -> None:
     if len(sys.argv) > 2 and rank == 0:  # where to save the final parameters
         torch.save(ours_model.state_dict(), sys.argv[2])
     del ours, theirs
-    gc.collect()  # see gradsync.demo: free wrappers before the group goes
+    gc.collect()  # see gradsync.tools.demo: free wrappers before the group goes
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,126 @@
+"""What every rank tells the others at the end of each synchronisation: how many micro-steps
+(forwards) it covers, and whether its backward ended with gradients missing.
+
+Each rank owns one element of a small vector and writes only that one; the vector is summed
+across ranks, so each rank's value arrives unchanged (x + 0 + ... + 0 = x, exactly). The vector
+rides after the last bucket's gradients in its own all-reduce when it can (free), in the
+bucket's dtype; one element per rank also keeps a ring all-reduce's chunks where torch's are,
+so gradients stay bit-identical to torch's DDP at 3 ranks and more.
+
+A rank writes 2 * count + missing. That is exact while it fits the dtype's integers (float32:
+counts to 8,388,606; float16: 1,022; bfloat16: 126); a larger count is written as the largest
+one that fits, which every rank then reads as "look again": they all run one small int64
+all-reduce of the exact counts (`exact_counts`). So counts are exact for any value, and the extra
+collective runs only in a synchronisation where some rank covered that many micro-steps.
+
+A joined rank (uneven inputs) contributes zeros: count 0, which has no say in the comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankReport", "Reports", "decode", "encode", "exact_counts", "saturation", "uneven"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankReport:
+    micro_steps: int | None  # forwards this synchronisation covers (0: joined; None: see exact)
+    missing: bool  # that rank's backward ended with some bucket's gradients missing
+
+
+def saturation(dtype: torch.dtype) -> int:
+    """The count written in place of any count at least this large, for `dtype`."""
+    if dtype.is_floating_point:
+        exact = round(2 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1): integers exact to here
+    else:
+        exact = 2**62
+    return exact // 2 - 1
+
+
+def encode(out: torch.Tensor, rank: int, micro_steps: int, missing: bool) -> torch.Tensor:
+    """Fill `out` (one element per rank) with zeros and this rank's report."""
+    if micro_steps < 0:
+        raise ValueError(f"micro-step count {micro_steps} is negative")
+    out.zero_()
+    out[rank] = 2 * min(micro_steps, saturation(out.dtype)) + int(missing)
+    return out
+
+
+def decode(values: list[float], dtype: torch.dtype) -> list[RankReport]:
+    """Every rank's report from the summed vector (as a list of numbers)."""
+    top = saturation(dtype)
+    reports = []
+    for value in values:
+        code = int(round(value))
+        count = code // 2
+        reports.append(RankReport(micro_steps=None if count >= top else count, missing=bool(code % 2)))
+    return reports
+
+
+def exact_counts(reports: list[RankReport], exact: list[int]) -> list[RankReport]:
+    """The reports with the exact counts (from the int64 all-reduce) put in."""
+    return [dataclasses.replace(r, micro_steps=n) for r, n in zip(reports, exact)]
+
+
+class Reports:
+    """This rank's report for one synchronisation, and its exchange with the other ranks."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.world_size = group.rank(), group.size()
+        self._templates: dict[tuple[int, bool], torch.Tensor] = {}
+        self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+
+    def attach(self, tail: torch.Tensor, micro_steps: int, missing: bool) -> None:
+        """Write the report into the last bucket's tail: it rides in that bucket's all-reduce."""
+        key = (micro_steps, missing)
+        template = self._templates.get(key)
+        if template is None or template.dtype != tail.dtype or template.device != tail.device:
+            if len(self._templates) > 64:  # counts that keep changing: stay bounded
+                self._templates.clear()
+            template = encode(torch.empty_like(tail), self.rank, micro_steps, missing)
+            self._templates[key] = template
+        tail.copy_(template)
+        self._pending = (tail, None)  # waited for with the bucket itself
+
+    def start(self, device: torch.device, micro_steps: int, missing: bool) -> None:
+        """All-reduce the reports on their own (after every bucket, on every rank)."""
+        if self.world_size == 1:
+            return
+        reports = encode(torch.empty(self.world_size, dtype=torch.int64, device=device),
+                         self.rank, micro_steps, missing)
+        self._pending = (reports, self.group.allreduce([reports]))
+
+    def finish(self, wait: Callable[[dist.Work, str], None], micro_steps: int) -> list[RankReport] | None:
+        """Every rank's report (None at world size 1, where there is nobody to tell)."""
+        if self._pending is None:
+            return None
+        values, work = self._pending
+        self._pending = None
+        if work is not None:
+            wait(work, "all-reduce of the ranks' reports (micro-step counts)")
+        reports = decode(values.tolist(), values.dtype)
+        if any(r.micro_steps is None for r in reports):  # a count too large to ride: ask
+            exact = torch.zeros(self.world_size, dtype=torch.int64, device=values.device)
+            exact[self.rank] = micro_steps
+            wait(self.group.allreduce([exact]), "all-reduce of exact micro-step counts")
+            reports = exact_counts(reports, exact.tolist())
+        return reports
+
+    def received(self, values: torch.Tensor) -> None:
+        """The summed reports arrived some other way (a joined rank's zero bucket)."""
+        self._pending = (values, None)
+
+    def abandon(self) -> None:
+        self._pending = None
+
+
+def uneven(reports: list[RankReport]) -> list[int] | None:
+    """Each rank's count if the active ranks' differ (0: a joined rank, which has no say)."""
+    active = {r.micro_steps for r in reports if r.micro_steps}
+    return [r.micro_steps or 0 for r in reports] if len(active) > 1 else None

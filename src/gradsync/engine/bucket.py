@@ -1,0 +1,280 @@
+"""A bucket: one flat, contiguous gradient buffer and the parameters whose gradients live in it.
+
+Layered nouns: the buffer owns the memory; each parameter gets a view of it with the parameter's
+shape (and strides, for channels-last tensors), at its offset. The Reducer copies gradients in
+(or lets `.grad` be the view), reduces the buffer as one tensor, and copies results out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket"]
+
+# Gradients at least this large are scaled while copied into their bucket, one pass each;
+# smaller ones are copied in one batched call and scaled with the whole buffer.
+FUSED_COPY_MIN_NUMEL = 1 << 15
+
+
+class Bucket:
+    """Flat gradient storage for a group of parameters of one dtype on one device."""
+
+    def __init__(
+        self,
+        index: int,
+        param_indices: Sequence[int],
+        params: Sequence[torch.Tensor],
+        sparse: bool = False,
+        dtype: torch.dtype | None = None,
+        tail: int = 0,
+    ):
+        self.index = index
+        self.param_indices = list(param_indices)
+        self.params = [params[i] for i in self.param_indices]
+        # A parameter with a sparse gradient has a bucket of its own and no flat buffer: the
+        # sparse gradient itself is reduced, and the result replaces `.grad`.
+        self.sparse = sparse
+        self.sparse_grad: torch.Tensor | None = None
+        # What is all-reduced when it is not the buffer itself (sparse gradient, or the buffer
+        # cast to a separate reduce dtype); the reduced values are read back from it.
+        self.payload: torch.Tensor = torch.empty(0)
+        self.lengths = [0 if sparse else p.numel() for p in self.params]
+        self.offsets = _running_offsets(self.lengths)
+        self.all_small = all(n < FUSED_COPY_MIN_NUMEL for n in self.lengths)
+        first = self.params[0]
+        # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
+        # the low-precision compute dtype.
+        numel = sum(self.lengths)
+        # `wire` is what an all-reduce can send: the gradients (`buffer`) plus `tail` extra
+        # elements after them, where the Reducer lets small per-rank counts ride along.
+        self.wire = torch.zeros(numel + tail, dtype=dtype or first.dtype, device=first.device)
+        self.buffer = self.wire.narrow(0, 0, numel) if tail else self.wire
+        self.tail = self.wire.narrow(0, numel, tail) if tail else None
+        self.views = [
+            _view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
+        ] if not sparse else []
+        # Per-iteration state, reset by `reset()`.
+        self.pending = len(self.params)
+        self.work: torch.distributed.Work | None = None
+        self.payload = self.buffer
+        # With a communication hook: the Future it returned, set when complete, and its view.
+        self.future: torch.futures.Future | None = None
+        self.future_done: threading.Event | None = None
+        self.hook_view: Any = None
+        self.hook_error: Exception | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    # ------------------------------------------------------------------ filling and writing back
+
+    def fill(self, divisor: int, as_view: bool) -> None:
+        """Copy the parameters' gradients in, divided by `divisor` (0: copied as they are, for
+        a hook or a cast that averages later), zeros where a parameter has none. The one way
+        gradients enter a bucket."""
+        grads = [p.grad for p in self.params]
+        aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, self.views)]
+        if not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
+            self._copy_in(grads, divisor)
+        elif all(aliased):
+            if divisor:
+                self.buffer.div_(divisor)
+        else:  # some gradients are the views already, or carry a graph (create_graph=True)
+            for g, v, alias in zip(grads, self.views, aliased):
+                _scale_into(g, v, alias, divisor)
+        if as_view:
+            self.view_grads([g is not None and not a for g, a in zip(grads, aliased)])
+
+    def _copy_in(self, grads: list[torch.Tensor | None], divisor: int) -> None:
+        """views = grads / divisor, in as few passes over memory and kernel calls as we can.
+
+        Large gradients are scaled while copied (one pass each); small ones are copied with one
+        batched call and scaled with another, which beats a call per tensor. Same arithmetic
+        either way: a float multiply by 1/divisor.
+        """
+        inv = 1.0 / divisor if divisor else 1.0
+        if self.all_small and all(g is not None for g in grads):  # the common case
+            torch._foreach_copy_(self.views, grads)  # type: ignore[arg-type]
+            if divisor:
+                self.buffer.mul_(inv)
+            return
+        small_views, small_grads = [], []
+        for view, grad in zip(self.views, grads):
+            if grad is None:
+                view.zero_()
+            elif divisor and grad.numel() >= FUSED_COPY_MIN_NUMEL:
+                torch.mul(grad, inv, out=view)
+            else:
+                small_views.append(view)
+                small_grads.append(grad)
+        if small_views:
+            torch._foreach_copy_(small_views, small_grads)
+            if divisor:
+                torch._foreach_mul_(small_views, inv)
+
+    def view_grads(self, which: Sequence[bool] | None = None) -> None:
+        """Point `.grad` of the parameters (all, or those flagged) at their views: the one place
+        a gradient becomes a bucket view (gradient_as_bucket_view)."""
+        for i, (param, view) in enumerate(zip(self.params, self.views)):
+            if which is None or which[i]:
+                param.grad = view
+
+    def adopt_grads(self) -> None:
+        """Move gradients that exist into this (new) bucket and make them its views."""
+        with torch.no_grad():
+            for view, param in zip(self.views, self.params):
+                if param.grad is not None and not _aliases(param.grad, view):
+                    view.copy_(param.grad)
+            self.view_grads([p.grad is not None for p in self.params])
+
+    def write_back(self, used: Sequence[int] | None, as_view: bool) -> None:
+        """Put the reduced values into `.grad`, leaving parameters unused on every rank
+        (`used[i] == 0`) exactly as torch does: untouched."""
+        if self.sparse:
+            self.params[0].grad = self.sparse_grad if self.work is None else self.work.result()[0]
+            return
+        keep = [used is None or bool(used[i]) for i in self.param_indices]
+        if self.payload is not self.buffer:  # another dtype (mixed precision): cast each
+            self._write_back_cast(keep)
+            return
+        if as_view:
+            self.view_grads([k and (p.grad is None or not _aliases(p.grad, v))
+                             for k, p, v in zip(keep, self.params, self.views)])
+            return
+        targets, sources = [], []
+        for k, param, view in zip(keep, self.params, self.views):
+            if not k:
+                continue
+            if param.grad is None:
+                param.grad = view.to(param.dtype, copy=True)
+            else:
+                targets.append(param.grad)
+                sources.append(view)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+
+    def _write_back_cast(self, keep: list[bool]) -> None:
+        for k, param, offset, length in zip(keep, self.params, self.offsets, self.lengths):
+            if not k:
+                continue
+            value = self.payload.narrow(0, offset, length).view(param.shape)
+            if param.grad is None or param.grad.dtype != param.dtype:
+                param.grad = value.to(param.dtype, copy=True)
+            else:
+                param.grad.copy_(value)
+
+    def fill_sparse(self, divisor: int) -> bool:
+        """Take the sparse gradient, divided by `divisor`; False if there is none to take."""
+        grad = self.params[0].grad
+        if grad is None or not grad.is_sparse:
+            return False
+        self.sparse_grad = grad.coalesce() * (1.0 / divisor)
+        return True
+
+    def launch_payload(self, reduce_dtype: torch.dtype | None, divisor: int) -> torch.Tensor:
+        """What to reduce: the buffer, the sparse gradient, or (mixed precision) the buffer
+        cast to `reduce_dtype` and divided there, so the sum cannot overflow."""
+        if self.sparse_grad is not None:
+            self.payload = self.sparse_grad
+        elif reduce_dtype is not None:
+            self.payload = self.buffer.to(reduce_dtype).mul_(1.0 / divisor)
+        else:
+            self.payload = self.buffer
+        return self.payload
+
+    def done_within(self, seconds: float) -> bool:
+        """Has this bucket's reduction completed, waiting at most `seconds`? Never raises.
+        Polled, not waited on: a timed-out wait can abort an NCCL communicator. A failed work
+        counts as completed; the real wait then reports the failure."""
+        if self.future_done is not None:
+            return self.future_done.wait(seconds)
+        if self.work is None:
+            return False
+        deadline = time.monotonic() + seconds
+        while not self.work.is_completed():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
+        return True
+
+    def accept(self, value: torch.Tensor) -> None:
+        """Take a communication hook's result as this bucket's reduced values."""
+        if self.sparse:
+            self.sparse_grad = value
+        elif value.dtype == self.buffer.dtype:
+            if value.data_ptr() != self.buffer.data_ptr():
+                self.buffer.copy_(value)
+            self.payload = self.buffer
+        else:
+            self.payload = value
+
+    def reset(self) -> None:
+        self.pending = len(self.params)
+        self.work = None
+        self.sparse_grad = None
+        self.payload = self.buffer
+        self.future = None
+        self.future_done = None
+        self.hook_view = None
+        self.hook_error = None
+
+    def __repr__(self) -> str:
+        return (
+            f"Bucket(index={self.index}, params={self.param_indices}, "
+            f"numel={self.buffer.numel()}, dtype={self.buffer.dtype})"
+        )
+
+
+def _running_offsets(lengths: Sequence[int]) -> list[int]:
+    offsets, total = [], 0
+    for n in lengths:
+        offsets.append(total)
+        total += n
+    return offsets
+
+
+def _view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.Tensor:
+    """A view of `buffer` at `offset` shaped like `param`, with its strides where they are dense.
+
+    Matching strides keeps `.grad` in the layout autograd would have produced (the "gradient
+    layout contract"), so a channels-last convolution keeps channels-last gradients.
+    """
+    if not param.is_contiguous() and _is_dense_permutation(param):
+        return buffer.as_strided(param.size(), param.stride(), buffer.storage_offset() + offset)
+    return buffer.narrow(0, offset, param.numel()).view(param.shape)
+
+
+def _is_dense_permutation(t: torch.Tensor) -> bool:
+    """True when the strides are a permutation of a contiguous layout (no gaps, no overlap)."""
+    dims = sorted((s, n) for s, n in zip(t.stride(), t.size()) if n != 1)
+    expected = 1
+    for stride, size in dims:
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _scale_into(grad: torch.Tensor | None, view: torch.Tensor, aliased: bool, divisor: int) -> None:
+    """view = grad / divisor, where divisor 0 means: copy without scaling."""
+    if grad is None:
+        view.zero_()
+    elif aliased:
+        if divisor:
+            view.div_(divisor)
+    elif grad.requires_grad:  # backward(create_graph=True): leave `grad` itself intact
+        view.copy_(grad.detach() * (1.0 / divisor) if divisor else grad.detach())
+    elif divisor:
+        torch.mul(grad, 1.0 / divisor, out=view)
+    else:
+        view.copy_(grad)

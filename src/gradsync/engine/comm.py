@@ -1,0 +1,243 @@
+"""The communication-hook protocol of torch's DDP: `hook(state, bucket) -> Future[Tensor]`.
+
+`GradBucket` is what a hook sees of one of our buckets, with the methods of torch's
+`dist.GradBucket`, so hooks written for torch (compression, PowerSGD, research hooks) run
+unchanged. `check_hook` refuses a hook that cannot work before any rank starts waiting on it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from .bucket import Bucket
+from .errors import GradSyncError, ReductionTimeoutError
+from .profiling import profiled as _profiled
+from .timeline import EventKind
+
+LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
+
+__all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "hook_name"]
+
+# A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
+CommHook = Callable[[Any, Any], torch.futures.Future]
+
+
+class GradBucket:
+    """One bucket as a communication hook sees it (torch's `GradBucket` interface)."""
+
+    def __init__(self, bucket: Bucket, is_last: bool) -> None:
+        self._bucket = bucket
+        self._buffer = bucket.buffer
+        self._is_last = is_last
+
+    def index(self) -> int:
+        return self._bucket.index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat gradients of this bucket (summed, not yet averaged: the hook averages)."""
+        return self._buffer
+
+    def gradients(self) -> list[torch.Tensor]:
+        """One view per parameter into `buffer()`, shaped like the parameter."""
+        return list(self._bucket.views) if self._buffer is self._bucket.buffer else [
+            self._buffer.narrow(0, o, n).view(p.shape)
+            for o, n, p in zip(self._bucket.offsets, self._bucket.lengths, self._bucket.params)
+        ]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self._bucket.params)
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket to be reduced in the iteration."""
+        return self._is_last
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the flat buffer (e.g. by a cast copy); the Future must then carry a tensor
+        of this one's shape and dtype."""
+        if tensor.numel() != self._bucket.buffer.numel():
+            raise ValueError(
+                f"GradBucket.set_buffer: bucket {self.index()} holds "
+                f"{self._bucket.buffer.numel()} elements, the new buffer has {tensor.numel()}"
+            )
+        self._buffer = tensor
+
+
+def hook_name(hook: Callable) -> str:
+    return getattr(hook, "__qualname__", None) or getattr(hook, "__name__", None) or repr(hook)
+
+
+def check_hook(hook: object) -> None:
+    """Refuse what cannot be a communication hook, at registration."""
+    if not callable(hook):
+        raise TypeError(f"register_comm_hook: hook must be callable, got {type(hook).__name__}")
+    try:
+        params = inspect.signature(hook).parameters.values()
+    except (TypeError, ValueError):
+        return  # builtins and some callables have no signature: judged by their result instead
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    takes_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+    if len(positional) != 2 and not takes_varargs:
+        raise TypeError(
+            f"register_comm_hook: hook {hook_name(hook)}{inspect.signature(hook)} must take two "
+            "arguments, (state, bucket), and return a torch.futures.Future of the reduced "
+            "bucket tensor"
+        )
+
+
+class HookChain:
+    """Runs the communication hook over the buckets of one iteration, one bucket at a time.
+
+    Bucket k+1's hook starts only once bucket k's Future has completed. Hooks such as PowerSGD
+    issue more collectives from their Futures' callbacks and wait for them there. Started all at
+    once, those nested collectives interleave differently on each rank, and callbacks waiting
+    on work queued behind them occupy every gloo worker thread: a hang (torch 2.13's DDP hangs
+    on PowerSGD with one-parameter buckets for this reason). One at a time, every rank issues
+    the same collectives in the same order. Launches happen on the backward thread, or on the
+    communication thread that completed the previous bucket.
+    """
+
+    def __init__(
+        self,
+        state: object,
+        hook: CommHook,
+        buckets: list[Bucket],
+        group: Any,
+        events: list,
+        describe: Callable[[int], str],
+        clock: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        self.state, self.hook, self.buckets = state, hook, buckets
+        self.group, self.events, self.describe, self.clock = group, events, describe, clock
+        self._lock = threading.RLock()
+        self._released = 0  # buckets full and in order, free to launch
+        self._launched = 0
+        self._pumping = False  # a launch loop is running (on the thread holding the lock)
+
+    def release(self, count: int) -> None:
+        with self._lock:
+            self._released = count
+            self._pump()
+
+    def _pump(self) -> None:
+        # Call with the lock held. A Future that is complete when returned (NCCL's are, at
+        # enqueue) runs its callback, and so `_pump`, inside `_launch`: that nested call returns
+        # at once and this loop goes on, so a thousand ready buckets never nest a thousand deep.
+        if self._pumping:
+            return
+        self._pumping = True
+        try:
+            while self._launched < self._released:
+                previous = self.buckets[self._launched - 1] if self._launched else None
+                if previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
+                    return
+                bucket = self.buckets[self._launched]
+                self._launched += 1
+                self._launch(bucket)
+        finally:
+            self._pumping = False
+
+    def _launch(self, bucket: Bucket) -> None:
+        bucket.future_done = threading.Event()
+        self.events.append((self.clock(), LAUNCH, bucket.index))
+        view = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
+        bucket.hook_view = view
+        try:
+            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"):
+                future = self._call(bucket, view)
+        except Exception as error:  # reported at the end of backward, on the backward thread
+            bucket.hook_error = GradSyncError(
+                f"gradsync: communication hook {hook_name(self.hook)} raised on "
+                f"{self.describe(bucket.index)}: {type(error).__name__}: {error}"
+            )
+            bucket.hook_error.__cause__ = error
+            bucket.future_done.set()
+            return
+        bucket.future = future
+        future.add_done_callback(functools.partial(self._on_done, bucket, bucket.future_done))
+
+    def _call(self, bucket: Bucket, view: GradBucket) -> torch.futures.Future:
+        if bucket.sparse:  # reduced as torch does, but in the chain's order
+            return self.group.allreduce([bucket.payload]).get_future().then(lambda f: f.value()[0])
+        future = self.hook(self.state, view)
+        if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ kind
+            raise TypeError(
+                f"the hook returned {type(future).__name__}; a hook must return a "
+                "torch.futures.Future whose value is the reduced bucket tensor (e.g. "
+                "group.allreduce([t]).get_future().then(lambda f: f.value()[0]))"
+            )
+        return future
+
+    def _on_done(self, bucket: Bucket, done: threading.Event, _future: object) -> None:
+        self.events.append((self.clock(), COMPLETE, bucket.index))
+        done.set()
+        if bucket.future_done is not done:
+            return  # completed (failed, say) after its iteration was abandoned: nothing to pump
+        with self._lock:
+            self._pump()
+
+    def result(self, bucket: Bucket, timeout: timedelta) -> torch.Tensor:
+        """The checked tensor of `bucket`'s Future, waiting at most `timeout` for it."""
+        where = self.describe(bucket.index)
+        name = hook_name(self.hook)
+        self._pump_until_launched(bucket, timeout)
+        assert bucket.future_done is not None
+        if not bucket.future_done.wait(timeout.total_seconds()):
+            raise ReductionTimeoutError(
+                f"gradsync: the Future returned by communication hook {name} for {where} did "
+                f"not complete within {timeout}. A hook whose collective is not issued on every "
+                "rank, or a Future nobody completes, ends here instead of hanging."
+            )
+        if bucket.hook_error is not None:
+            raise bucket.hook_error
+        assert bucket.future is not None and bucket.hook_view is not None
+        try:
+            value = bucket.future.value()
+        except Exception as error:
+            raise GradSyncError(f"gradsync: communication hook {name} failed for {where}: {error}") from error
+        if isinstance(value, (list, tuple)) and len(value) == 1:
+            value = value[0]
+        if bucket.sparse:
+            return value
+        return _checked(value, bucket, bucket.hook_view.buffer(), name, where)
+
+    def _pump_until_launched(self, bucket: Bucket, timeout: timedelta) -> None:
+        with self._lock:
+            self._pump()
+        if bucket.future_done is None:  # its predecessor has not completed yet: wait for it
+            previous = self.buckets[bucket.index - 1]
+            assert previous.future_done is not None
+            # Normally already set (results are taken in order); bounded all the same.
+            previous.future_done.wait(timeout.total_seconds())
+            with self._lock:
+                self._pump()
+        if bucket.future_done is None:
+            raise ReductionTimeoutError(
+                f"gradsync: {self.describe(bucket.index)} was never launched: the previous "
+                f"bucket's Future did not complete within {timeout}"
+            )
+
+
+def _checked(value: object, bucket: Bucket, expected: torch.Tensor, name: str, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise GradSyncError(
+            f"gradsync: communication hook {name} completed {where} with "
+            f"{type(value).__name__}; its Future must carry the reduced bucket tensor"
+        )
+    # The bucket's own dtype, or the one the hook gave it with set_buffer (a compressed result
+    # is written back through a cast, as torch does).
+    dtypes = {bucket.buffer.dtype, expected.dtype}
+    if value.shape != expected.shape or value.dtype not in dtypes:
+        raise GradSyncError(
+            f"gradsync: communication hook {name} returned a tensor of shape "
+            f"{list(value.shape)} and dtype {value.dtype} for {where}; expected the bucket's "
+            f"shape {list(expected.shape)} and dtype {' or '.join(sorted(str(d) for d in dtypes))}"
+        )
+    return value

@@ -1,0 +1,102 @@
+"""The Reducer's configuration: one frozen dataclass, validated without a process group."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+
+from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+
+__all__ = ["DEFAULT_TIMEOUT", "RUNTIME_FIELDS", "ReducerConfig"]
+
+# The one default for every wait gradsync makes (torch's default for a gloo process group).
+DEFAULT_TIMEOUT = timedelta(minutes=30)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReducerConfig:
+    """How a `Reducer` synchronises gradients. Every field has the meaning of torch DDP's."""
+
+    find_unused_parameters: bool = False
+    """Walk the autograd graph from the forward outputs and mark parameters that cannot get a
+    gradient as ready at once; all-reduce a used-map so a parameter unused on every rank keeps
+    the gradient it had (torch: untouched / None)."""
+
+    gradient_as_bucket_view: bool = False
+    """Make each `.grad` a view into its bucket's flat buffer, so nothing is copied back."""
+
+    static_graph: bool = False
+    """The set of used parameters and how often each one's hook fires (reentrant activation
+    checkpointing fires a shared parameter's hook more than once) is the same every iteration:
+    learned in the first, relied on afterwards."""
+
+    rebuild_bucket_size_limits: tuple[int, ...] | None = (
+        DEFAULT_FIRST_BUCKET_BYTES,
+        DEFAULT_BUCKET_CAP_BYTES,
+    )
+    """Byte limits for the one-time rebuild of buckets in the order gradients became ready in the
+    first synchronised iteration; None keeps the initial layout for good. The rebuild is skipped
+    with find_unused_parameters (unless static_graph), whose ready order may change every
+    iteration (as torch)."""
+
+    bucket_dtype: torch.dtype | None = None
+    """dtype of the flat buckets when it is not the parameters' own: under mixed precision the
+    gradients arrive in the low-precision compute dtype."""
+
+    reduce_dtype: torch.dtype | None = None
+    """dtype in which buckets are summed across ranks (default: the bucket's own). Gradients are
+    cast to it and divided by the world size in it, before the sum, so nothing overflows."""
+
+    timeout: timedelta = DEFAULT_TIMEOUT
+    """How long the end of backward waits for one bucket's reduction before raising."""
+
+    history: int = 16
+    """How many finished iterations' timelines to keep (bounded memory)."""
+
+    check_finite: bool = False
+    """Check each bucket's gradients for NaN and Inf before they are sent, naming the parameter
+    and the rank (costs a pass over the gradients)."""
+
+    report_unused: bool = False
+    """With find_unused_parameters: all-gather every rank's used map instead of all-reducing
+    it, to say which rank left which parameter unused."""
+
+    check_accumulation: bool = True
+    """Compare, across ranks, how many micro-steps each synchronisation covers (no_sync()
+    entered on some ranks only is then an error, not silently mixed steps)."""
+
+    record_events: bool = True
+    """Record the per-iteration timeline (one list append per gradient); off, nothing is
+    recorded and stats are empty (for measuring what recording costs)."""
+
+    clock: Callable[[], int] = time.perf_counter_ns
+    """Where timeline times come from, in nanoseconds."""
+
+    def __post_init__(self) -> None:
+        limits = self.rebuild_bucket_size_limits
+        if limits is not None and (len(limits) == 0 or any(int(x) < 0 for x in limits)):
+            raise ValueError(
+                f"rebuild_bucket_size_limits={limits!r}: give one or more byte limits >= 0, "
+                "or None to keep the initial layout"
+            )
+        if self.timeout.total_seconds() <= 0:
+            raise ValueError(f"timeout={self.timeout!r} must be positive")
+        if self.history < 1:
+            raise ValueError(f"history={self.history} must be at least 1")
+        for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph",
+                     "check_finite", "report_unused", "check_accumulation", "record_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.report_unused and not self.find_unused_parameters:
+            raise ValueError("report_unused=True needs find_unused_parameters=True (there is no "
+                             "used map to report otherwise)")
+
+
+# What `Reducer.configure` may change between iterations; the rest shapes the buckets.
+RUNTIME_FIELDS = frozenset(
+    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock"}
+)

@@ -1,0 +1,81 @@
+"""Bucket layouts: building the buckets of a layout, and the one-time rebuild in ready order.
+
+torch's DDP starts with one bucket in reverse definition order (or capped buckets when it
+searches for unused parameters), then rebuilds once, in the order gradients became ready in a
+real iteration: rank 0's order, broadcast, so every rank installs the same layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .bucket import Bucket
+from .bucketing import compute_bucket_assignment_by_size
+from .collectives import broadcast_tensors
+from .errors import format_names
+from .timeline import EventKind, IterationTimeline
+
+__all__ = ["check_sparse_layout", "make_buckets", "rebuilt_layout"]
+
+
+def make_buckets(
+    layout: list[list[int]],
+    params: Sequence[torch.Tensor],
+    sparse: Sequence[bool],
+    dtype: torch.dtype | None,
+    world_size: int,
+) -> list[Bucket]:
+    """The buckets of `layout`. The last one carries one element per rank after its gradients,
+    where each rank's report rides (`accumulation`)."""
+    last = len(layout) - 1
+    return [
+        Bucket(
+            b, indices, params, sparse=sparse[indices[0]], dtype=dtype,
+            tail=world_size if b == last and world_size > 1 and not sparse[indices[0]] else 0,
+        )
+        for b, indices in enumerate(layout)
+    ]
+
+
+def check_sparse_layout(layout: Sequence[Sequence[int]], sparse: Sequence[bool], names: Sequence[str]) -> None:
+    if len(sparse) != len(names):
+        raise ValueError(f"expect_sparse_gradient has {len(sparse)} flags for {len(names)} parameters")
+    for b, indices in enumerate(layout):
+        if len(indices) > 1 and any(sparse[i] for i in indices):
+            raise ValueError(
+                f"bucket {b} puts a parameter with a sparse gradient "
+                f"({format_names([names[i] for i in indices])}) with others; a sparse "
+                "gradient is reduced on its own, so give it a bucket of its own"
+            )
+
+
+def rebuilt_layout(
+    last: IterationTimeline | None,
+    params: Sequence[torch.Tensor],
+    sparse: Sequence[bool],
+    limits: Sequence[int],
+    group: dist.ProcessGroup,
+    timeout: timedelta,
+) -> list[list[int]] | None:
+    """The layout in rank 0's ready order of `last` (its unused parameters, which torch hears
+    of only at the end, last); None, on every rank alike, if rank 0 did not see them all."""
+    local = [i for _, i in last.order(EventKind.READY)] + [i for _, i in last.order(EventKind.UNUSED)] if last else []
+    order = _broadcast_order(local, len(params), params[0].device, group, timeout)
+    if sorted(order) != list(range(len(params))):
+        return None
+    layout, _ = compute_bucket_assignment_by_size([params[i] for i in order], list(limits), sparse, order)
+    return layout
+
+
+def _broadcast_order(
+    order: list[int], n: int, device: torch.device, group: dist.ProcessGroup, timeout: timedelta
+) -> list[int]:
+    t = torch.full((n,), -1, dtype=torch.int64, device=device)
+    if len(order) == n:
+        t.copy_(torch.tensor(order, dtype=torch.int64))
+    broadcast_tensors(group, [t], 0, timeout, "broadcast of rank 0's bucket order")
+    return t.tolist()

@@ -1,0 +1,632 @@
+"""The Reducer: bucketed, overlapped gradient all-reduce driven by autograd hooks.
+
+One gradient's path, as torch's c10d Reducer runs it:
+
+1. `prepare_for_backward(outputs)` (from forward) starts the iteration: with unused-parameter
+   search on, it walks the graph from the outputs for parameters that cannot get a gradient, and
+   it asks backward to call `_end_of_backward` once backward has passed through the outputs.
+2. `_autograd_hook` (the parameter's post-accumulate-grad hook) marks it ready (`_mark`); the
+   first hook also marks the unused parameters, so no bucket waits for them.
+3. When a bucket's last gradient arrives it is filled (`Bucket.fill`: copied in, divided by the
+   world size, which keeps half precision from overflowing in the sum) and, strictly in order,
+   launched (`_launch_ready`): its all-reduce runs while autograd computes the rest.
+4. `_end_of_backward` launches what never filled (and has every rank raise, naming the
+   parameters), then `finish_backward` waits for each bucket and writes back (`Bucket.write_back`).
+
+The units around it: `layout` (the one-time rebuild in ready order), `static_graph`, `used_map`,
+`accumulation` (each rank's report), `shadow` (a joined rank's side), `comm.HookChain`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import logging
+import weakref
+from collections import deque
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from . import layout as layouts
+from .accumulation import Reports, uneven
+from .bucket import Bucket
+from .bucketing import validate_bucket_indices
+from .checks import check_finite
+from .collectives import all_gather_objects
+from .comm import CommHook, HookChain, check_hook, hook_name
+from .config import RUNTIME_FIELDS, ReducerConfig
+from .errors import (
+    GradSyncError,
+    format_names,
+    marked_twice_message,
+    missing_gradients_message,
+    uneven_accumulation_message,
+    unfinished_reduction_message,
+)
+from .profiling import profiled as _profiled
+from .static_graph import StaticGraph
+from .timeline import DiscardedEvents, EventKind, IterationTimeline
+from .unused import find_tensors, reachable_parameters
+from .used_map import UsedMap
+from .waits import StallMonitor, Waits
+
+__all__ = ["Phase", "Reducer", "StallMonitor"]
+
+_log = logging.getLogger("gradsync")
+
+
+class Phase(enum.Enum):
+    """Where the current iteration is."""
+
+    IDLE = "idle"  # no synchronised iteration under way
+    PREPARED = "prepared"  # forward said a backward will synchronise; no gradient yet
+    BACKWARD = "backward"  # gradients arriving; buckets filling and launching in order
+    LAUNCHED = "launched"  # every bucket on its way; finished at the end of backward
+    REDUCED = "reduced"  # written back; a gradient now is a late one (until the next forward)
+
+
+class Reducer:
+    """Synchronise the gradients of `params` over `process_group`, one bucket at a time.
+
+    `bucket_indices` lists, per bucket, indices into `params`; buckets are reduced in that order,
+    so the first bucket should hold the parameters whose gradients are ready first.
+    """
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        bucket_indices: Sequence[Sequence[int]],
+        process_group: dist.ProcessGroup,
+        *,
+        param_names: Sequence[str] | None = None,
+        config: ReducerConfig | None = None,
+        expect_sparse_gradient: Sequence[bool] | None = None,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(param_names) if param_names is not None else _default_names(self.params)
+        _check_params(self.params, self.names)
+        self.expect_sparse_gradient = list(expect_sparse_gradient or [False] * len(self.params))
+        self.process_group, self.config = process_group, config or ReducerConfig()
+        self.rank, self.world_size = process_group.rank(), process_group.size()
+        self._find_unused = self.config.find_unused_parameters
+        self._static = StaticGraph(len(self.params)) if self.config.static_graph else None
+        self._used = UsedMap(self.names, process_group)
+        self._reports = Reports(process_group)
+        self._comm_hook: tuple[object, CommHook] | None = None
+        self._waits = Waits(process_group, self.names)
+        self._clock = _recording_clock(self.config)
+        # Called with (rank, timeline) after every synchronised iteration (the wrapper logs
+        # per-iteration stats through one at GRADSYNC_DEBUG=DETAIL).
+        self.iteration_listeners: list[Callable[[int, IterationTimeline], None]] = []
+        self.history: deque[IterationTimeline] = deque(maxlen=self.config.history)
+        reduce_dtype = self.config.reduce_dtype
+        self._scale_at_launch = reduce_dtype is not None and reduce_dtype != (
+            self.config.bucket_dtype or self.params[0].dtype
+        )
+        self.buckets: list[Bucket] = []
+        self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
+        self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
+            self.config.static_graph or not self._find_unused
+        )
+        self.iteration, self._micro_steps, self._forward_start_ns = 0, 1, 0
+        self._divisor, self._ride = self.world_size, False
+        self._unused: list[int] = []
+        self._chain: HookChain | None = None
+        self.phase = Phase.IDLE
+        self._start_state()
+        # The hooks hold the reducer weakly: parameters outlive wrappers (a module can be
+        # wrapped again), and a reducer kept alive by its own hooks would keep its process group
+        # alive until the interpreter tears it down at exit.
+        me = weakref.ref(self)
+        handles = [
+            p.register_post_accumulate_grad_hook(functools.partial(_dispatch_hook, me, i))
+            for i, p in enumerate(self.params)
+        ]
+        weakref.finalize(self, _remove_handles, handles)
+
+    # ----------------------------------------------------------------------------- layout
+
+    @property
+    def bucket_indices(self) -> list[list[int]]:
+        return [list(b.param_indices) for b in self.buckets]
+
+    def _install_buckets(self, layout: list[list[int]]) -> None:
+        layouts.check_sparse_layout(layout, self.expect_sparse_gradient, self.names)
+        self.buckets = layouts.make_buckets(
+            layout, self.params, self.expect_sparse_gradient, self.config.bucket_dtype, self.world_size
+        )
+        self._layout = [list(b.param_indices) for b in self.buckets]
+        self._layout_bytes = [b.nbytes for b in self.buckets]
+        self._bucket_of: list[Bucket] = [None] * len(self.params)  # type: ignore[list-item]
+        for bucket in self.buckets:
+            for i in bucket.param_indices:
+                self._bucket_of[i] = bucket
+            if self.config.gradient_as_bucket_view and not bucket.sparse:
+                bucket.adopt_grads()
+
+    def install_layout(self, layout: Sequence[Sequence[int]]) -> None:
+        """Replace the bucket layout between iterations (every rank must install the same)."""
+        if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            raise RuntimeError("install_layout: an iteration is still being reduced")
+        self._needs_rebuild = False
+        self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
+
+    @property
+    def rebuilt(self) -> bool:
+        """Whether the one-time rebuild in ready order has happened (or will not happen)."""
+        return not self._needs_rebuild
+
+    def _rebuild_if_due(self) -> None:
+        # As torch: after the first synchronised iteration, or with a static graph the second
+        # (the first only counts hooks, reducing everything at its end, in no real order).
+        if not self._needs_rebuild or len(self.history) < (2 if self._static else 1):
+            return
+        self._needs_rebuild = False
+        layout = layouts.rebuilt_layout(
+            self.history[-1], self.params, self.expect_sparse_gradient,
+            self.config.rebuild_bucket_size_limits or (), self.process_group, self.config.timeout,
+        )
+        if layout is not None:  # None on every rank alike
+            self._install_buckets(layout)
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(bucket index, position in that bucket) of parameter `index`."""
+        bucket = self._bucket_of[index]
+        return bucket.index, bucket.param_indices.index(index)
+
+    # ------------------------------------------------------------------ iteration lifecycle
+
+    def prepare_for_backward(
+        self, outputs: object = None, divisor: int | None = None, micro_steps: int = 1
+    ) -> None:
+        """Start a synchronised iteration; call from forward with its outputs.
+
+        With find_unused_parameters, parameters not reachable from `outputs` will be marked
+        ready as soon as backward starts. Whenever `outputs` hold tensors, the end of the
+        backward through them is where the iteration is finished: a bucket whose gradients
+        never came is reported there, on every rank. Gradients are averaged over `divisor`
+        ranks (default: the group size; fewer when ranks have joined early and the caller says
+        so). `micro_steps` counts the forwards this synchronisation covers (1 + those under
+        no_sync); every rank must cover the same number (`config.check_accumulation`).
+        """
+        self._check_prior_reduction_finished()
+        self._rebuild_if_due()
+        self.iteration += 1
+        self._start_state()
+        self.phase = Phase.PREPARED
+        if self._waits.monitor is not None:
+            self._waits.monitor.mark_progress(self.iteration)
+        self._divisor, self._micro_steps = divisor or self.world_size, micro_steps
+        tensors = find_tensors(outputs) if outputs is not None else []
+        if self._find_unused:
+            reached = reachable_parameters(tensors)
+            self._unused = [i for i, p in enumerate(self.params) if id(p) not in reached]
+        if self._static is not None:
+            self._static.start_iteration()
+            if self._static.learned:
+                self._unused = list(self._static.unused)
+        self._unused_pending = bool(self._unused)
+        self._timeline = IterationTimeline(
+            iteration=self.iteration,
+            start_ns=self._clock(),
+            bucket_indices=self._layout,  # shared, not copied: a layout is never mutated
+            bucket_bytes=self._layout_bytes,
+            events=[] if self.config.record_events else DiscardedEvents(),
+        )
+        self._timeline.forward_start_ns = self._forward_start_ns
+        self._chain = self._new_chain()
+        self._ride = self._reports_ride_along()
+        self._watch_backward_start(tensors)
+
+    def _watch_backward_start(self, outputs: list[torch.Tensor]) -> None:
+        # Backward reaches forward's outputs first, in the outermost backward (a reentrant
+        # checkpoint's nested backward comes later, inside it). A callback queued from there
+        # runs when that whole backward has ended: the one place to see a bucket left unfilled.
+        nodes = {id(t.grad_fn): t.grad_fn for t in outputs if t.grad_fn is not None}
+        hook = functools.partial(_on_backward_start, weakref.ref(self), self.iteration)
+        for node in nodes.values():
+            node.register_prehook(hook)
+        self._watching = bool(nodes)
+
+    def prepare_for_forward(self) -> None:
+        """Note that a new forward has started (call it on every forward, synced or not).
+
+        Until then, a gradient that arrives for a parameter already reduced in this iteration is
+        an error: it would be silently left out of the average.
+        """
+        self.note_module_forward()
+        self._forward_start_ns = self._clock()
+
+    def note_module_forward(self) -> None:
+        """The wrapped module ran forward (through the wrapper or not): gradients from here on
+        belong to a new graph, not late arrivals for the last reduced iteration."""
+        if self.phase is Phase.REDUCED:
+            self.phase = Phase.IDLE
+
+    def _start_state(self) -> None:
+        self._marked = [False] * len(self.params)
+        self._unused = []  # parameters marked ready up front (unreachable, or never fired)
+        self._unused_pending = False  # unused parameters still to mark, at the first hook
+        self._watching = False  # the outputs' backward nodes will queue the end of backward
+        self._clear_reduction()
+
+    def _clear_reduction(self) -> None:
+        self._missing: list[int] = []  # parameters without a gradient when backward ended
+        self._next_bucket = 0
+        self._end_queued = False
+        self._chain = None
+        self._reports.abandon()
+        self._used.abandon()
+        for bucket in self.buckets:
+            bucket.reset()
+
+    def _check_prior_reduction_finished(self) -> None:
+        # Reached only where the end of backward could not be seen (forward returned no
+        # tensor, or the loss did not come from its outputs): report the missing gradients now.
+        if self.phase not in (Phase.BACKWARD, Phase.LAUNCHED):
+            return
+        missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
+        iteration = self.iteration
+        self._abandon_iteration()
+        message = unfinished_reduction_message(missing, self.rank, self._find_unused, iteration)
+        if self._waits.monitor is not None:  # what the other ranks reported, if they got here first
+            others = self._waits.monitor.publish_missing(iteration, missing)
+            for rank, names in sorted(others.items()):
+                message += f"\nRank {rank} reported {len(names)} missing: {format_names(names)}"
+        raise GradSyncError(message)
+
+    def _abandon_iteration(self) -> None:
+        """Drop a broken iteration so the reducer can be used again after the error."""
+        self.phase = Phase.IDLE
+        self._start_state()
+
+    # ----------------------------------------------------------------------- hot path
+
+    def _autograd_hook(self, index: int, param: torch.Tensor) -> None:
+        # Runs once per parameter per backward: plain bookkeeping only. Gradients are copied
+        # into the bucket in one batch when its last one arrives (`Bucket.fill`).
+        phase = self.phase
+        if self._find_unused and param.grad is not None:
+            self._used.local[index] = 1  # without a gradient (an output left out) it is unused
+        if phase is Phase.IDLE or phase is Phase.REDUCED:
+            if phase is Phase.REDUCED and self._marked[index]:
+                raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
+            return
+        if phase is Phase.PREPARED:
+            self.phase = Phase.BACKWARD
+        static = self._static
+        if static is not None and not static.fire(index):
+            if static.learning:
+                self._learn_fire(index, param)
+            return
+        if self._marked[index]:
+            cause = "unused" if index in self._unused else "repeat"
+            raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
+        if self._unused_pending:
+            self._mark_unused()
+        self._mark(index, EventKind.READY)
+
+    def _learn_fire(self, index: int, param: torch.Tensor) -> None:
+        """A hook in the first static-graph iteration: counted, reduced at its very end."""
+        if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
+            self._used.local[index] = 1
+        if self._static is not None and self._static.fires[index] == 1:
+            self._timeline.events.append((self._clock(), EventKind.READY, index))
+        if not self._watching and not self._end_queued:  # no outputs seen: best effort
+            self._queue_end_of_backward()
+
+    def _mark_unused(self) -> None:
+        # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
+        # never followed by backward then leaves no half-done iteration behind.
+        self._unused_pending = False
+        for unused in self._unused:
+            self._mark(unused, EventKind.UNUSED)
+
+    def _mark(self, index: int, kind: int) -> None:
+        self._marked[index] = True
+        self._timeline.events.append((self._clock(), kind, index))
+        bucket = self._bucket_of[index]
+        bucket.pending -= 1
+        if bucket.pending == 0:
+            self._timeline.events.append((self._clock(), EventKind.BUCKET_READY, bucket.index))
+            self._fill(bucket)
+            if bucket.index == self._next_bucket:
+                self._launch_ready()
+
+    def _fill(self, bucket: Bucket) -> None:
+        if bucket.sparse:
+            self._fill_sparse(bucket)
+            return
+        if self.config.check_finite:
+            grads = [p.grad for p in bucket.params]
+            check_finite(grads, [self.names[i] for i in bucket.param_indices], self.rank, self.iteration)
+        # A communication hook averages itself (torch's protocol); mixed precision scales in the
+        # reduce dtype at launch (`_payload`).
+        scale = self._comm_hook is None and not self._scale_at_launch
+        bucket.fill(self._divisor if scale else 0, self.config.gradient_as_bucket_view)
+
+    def _fill_sparse(self, bucket: Bucket) -> None:
+        if not bucket.fill_sparse(self._divisor):
+            kind = "no gradient" if bucket.params[0].grad is None else "a dense gradient"
+            raise GradSyncError(
+                f"gradsync: parameter {self.names[bucket.param_indices[0]]!r} was declared to "
+                f"get a sparse gradient but has {kind} in iteration {self.iteration} on rank "
+                f"{self.rank}. Build its module with sparse=True on every rank and use it in "
+                "every iteration, or declare it dense."
+            )
+
+    def _launch_ready(self) -> None:
+        """Launch, strictly in order, every bucket that is full and not yet launched."""
+        buckets, events = self.buckets, self._timeline.events
+        while self._next_bucket < len(buckets) and buckets[self._next_bucket].pending == 0:
+            bucket = buckets[self._next_bucket]
+            bucket.launch_payload(self.config.reduce_dtype if self._scale_at_launch else None, self._divisor)
+            self._next_bucket += 1
+            if self._chain is not None:
+                continue  # the chain launches it, after its predecessor's Future completes
+            events.append((self._clock(), EventKind.LAUNCH, bucket.index))
+            wire = bucket.payload
+            if self._ride and bucket.tail is not None:
+                self._reports.attach(bucket.tail, self._micro_steps, bool(self._missing))
+                wire = bucket.wire
+            with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
+                bucket.work = self.process_group.allreduce([wire])
+            bucket.work.get_future().add_done_callback(
+                functools.partial(_record_completion, events, self._clock, bucket.index)
+            )
+        if self._chain is not None:
+            self._chain.release(self._next_bucket)
+        if self._next_bucket == len(buckets) and self.phase is Phase.BACKWARD:
+            self._all_launched()
+
+    def _all_launched(self) -> None:
+        """Every bucket is on its way: reduce the used map; finish at the end of backward."""
+        self.phase = Phase.LAUNCHED
+        if self._find_unused and self._chain is None:
+            self._used.start(self.buckets[0].buffer.device, self.config.report_unused)
+        if not self._end_queued:  # backward did not come through the outputs: finish as torch
+            self._queue_end_of_backward()
+
+    def _queue_end_of_backward(self) -> None:
+        self._end_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """Queued once per iteration on the autograd engine; runs when backward has ended."""
+        if self.phase is Phase.PREPARED:
+            self._end_queued = False  # no gradient of ours came (torch.autograd.grad): re-arm
+            return
+        if self.phase is not Phase.BACKWARD and self.phase is not Phase.LAUNCHED:
+            return  # finished already
+        if self._static is not None and self._static.learning:
+            self._finish_first_static()
+            return
+        if self.phase is Phase.BACKWARD:
+            self._complete_missing()
+        self.finish_backward()
+
+    def _complete_missing(self) -> None:
+        """Backward ended with buckets not full: some gradients never came. Launch those buckets
+        anyway (zeros where a gradient is missing), so every rank's collectives still match
+        and no rank waits for them, and flag it in this rank's report: the end of backward then
+        raises on every rank, naming the parameters (`_raise_missing`)."""
+        if self._unused_pending:
+            self._mark_unused()
+        self._missing = [i for i, done in enumerate(self._marked) if not done]
+        for index in self._missing:
+            self._mark(index, EventKind.UNUSED)
+
+    def _finish_first_static(self) -> None:
+        """End of the first static-graph backward: learn the counts, then reduce everything."""
+        assert self._static is not None
+        fired = self._timeline.ready_order()
+        unused = self._static.learn()
+        self._timeline.events.clear()
+        for index in fired:
+            self._mark(index, EventKind.READY)
+        for index in unused:
+            self._mark(index, EventKind.UNUSED)
+        if self._chain is None:
+            self._used.start(self.buckets[0].buffer.device, False)
+        self.finish_backward()
+
+    # ------------------------------------------------------------------ end of backward
+
+    def finish_backward(self) -> None:
+        """Wait for every bucket and write the averaged gradients into `.grad`."""
+        timeline = self._timeline
+        timeline.backward_end_ns = self._clock()
+        assert self._next_bucket == len(self.buckets), "finish_backward before every launch"
+        try:
+            with torch.no_grad(), _profiled("gradsync.finish_backward"):
+                self._waits.begin(self.iteration, self.config.timeout, self.buckets)
+                self._wait_buckets()
+                if not self._ride:  # after every bucket and the used map, on every rank
+                    self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
+                used = self._used.finish(self._waits)
+                self._check_reports()  # raises before any gradient is written back
+                if self._static is not None:  # the first iteration's used map holds for good
+                    used = self._static.settle_used_map(used)
+                for bucket in self.buckets:
+                    bucket.write_back(used, self.config.gradient_as_bucket_view)
+        finally:
+            self.phase = Phase.REDUCED  # `_marked` kept: a gradient still coming is reported
+            timeline.finish_ns = self._clock()
+            self.history.append(timeline)
+            for listener in self.iteration_listeners:
+                listener(self.rank, timeline)
+            self._used.clear()
+            self._clear_reduction()
+            self._end_queued = True  # until the next iteration: nothing more to finish
+
+    def _wait_buckets(self) -> None:
+        chain = self._chain
+        for bucket in self.buckets:
+            if chain is None:
+                self._waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
+            else:
+                bucket.accept(chain.result(bucket, self.config.timeout))
+        needs_map = self._find_unused or (self._static is not None and self._static.used_map is None)
+        if chain is not None and needs_map:
+            # Only now: a collective started earlier could interleave with the chain's.
+            self._used.start(self.buckets[0].buffer.device, self.config.report_unused)
+
+    def _check_reports(self) -> None:
+        reports = self._reports.finish(self._waits, self._micro_steps)
+        if reports is None:  # world size 1: nobody else to tell
+            if self._missing:
+                self._raise_missing()
+            return
+        if any(r.missing for r in reports):
+            self._raise_missing()
+        counts = uneven(reports) if self.config.check_accumulation else None
+        if counts is not None:
+            raise GradSyncError(uneven_accumulation_message(counts, self.iteration))
+
+    def _raise_missing(self) -> None:
+        """Some rank's backward ended with gradients missing: every rank sees the flag in the
+        same reports, so every rank gathers the names (a collective) and raises alike."""
+        mine = [(self._bucket_of[i].index, self.names[i]) for i in self._missing]
+        everyone = [mine] if self.world_size == 1 else all_gather_objects(
+            self.process_group, mine, self.config.timeout
+        )
+        per_rank = {r: names for r, names in enumerate(everyone) if names}  # type: ignore[misc]
+        raise GradSyncError(missing_gradients_message(
+            per_rank, self.iteration, self._find_unused, self._static is not None, self.rank  # type: ignore[arg-type]
+        ))
+
+    def _reports_ride_along(self) -> bool:
+        # Without a hook each rank's report rides after the last bucket's gradients in its own
+        # all-reduce (free); otherwise it takes a tiny all-reduce of its own, after every bucket.
+        return self._comm_hook is None and not self._scale_at_launch and self.buckets[-1].tail is not None
+
+    # ---------------------------------------------------------------- hooks, settings
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
+        if self._comm_hook is not None:
+            raise RuntimeError(
+                f"register_comm_hook can be called only once; {hook_name(self._comm_hook[1])} "
+                f"is already registered (tried to add {hook_name(hook)})"
+            )
+        if self.iteration > 0:
+            raise RuntimeError(
+                f"register_comm_hook must be called before the first forward/backward; "
+                f"{self.iteration} iteration(s) have already run with the default all-reduce"
+            )
+        if self._scale_at_launch:
+            raise NotImplementedError("gradsync: communication hooks with mixed precision are not supported yet")
+        check_hook(hook)
+        self._comm_hook = (state, hook)
+
+    @property
+    def comm_hook(self) -> tuple[object, CommHook] | None:
+        """(state, hook) as registered, or None."""
+        return self._comm_hook
+
+    def _new_chain(self) -> HookChain | None:
+        if self._comm_hook is None:
+            return None
+        state, hook = self._comm_hook
+        iteration = self.iteration
+        return HookChain(
+            state, hook, self.buckets, self.process_group, self._timeline.events,
+            lambda b: f"bucket {b} (rank {self.rank}, iteration {iteration})", self._clock,
+        )
+
+    def configure(self, **changes: object) -> None:
+        """Change what may change between iterations (`config.RUNTIME_FIELDS`: timeout, the
+        NaN, accumulation and unused-report checks, recording, the clock), validated as the
+        frozen config validates itself; every rank must make the same change."""
+        fixed = sorted(set(changes) - RUNTIME_FIELDS)
+        if fixed:
+            raise ValueError(
+                f"Reducer.configure: {', '.join(fixed)} cannot change after construction "
+                f"(they shape the buckets); changeable: {', '.join(sorted(RUNTIME_FIELDS))}"
+            )
+        if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            raise RuntimeError("Reducer.configure: an iteration is still being reduced")
+        self.config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
+        self._clock = _recording_clock(self.config)
+
+    def set_stall_monitor(self, monitor: StallMonitor, timeout: timedelta | None = None) -> None:
+        """Report stalls through `monitor` (gradsync's `StallWatchdog`): a log report when the
+        end of backward waits longer than its `warn_after`, the error (with the report) after
+        `timeout` (default: the current one)."""
+        self._waits.monitor = monitor
+        if timeout is not None:
+            self.configure(timeout=timeout)
+
+    @property
+    def last_unused_report(self) -> dict[str, list[int]]:
+        """With `config.report_unused`: {parameter name: ranks that left it unused}."""
+        return self._used.last_report
+
+    def shadow_iteration(self) -> None:
+        """On a rank that has run out of data, match the collectives of one synchronised
+        iteration of the ranks still training (`shadow`)."""
+        from .shadow import shadow_iteration
+
+        shadow_iteration(self)
+
+
+def _on_backward_start(reducer: weakref.ref[Reducer], iteration: int, _grads: object) -> None:
+    """Prehook of forward's output nodes: queue the end of this iteration's backward."""
+    live = reducer()
+    if live is not None and live.iteration == iteration and not live._end_queued and live.phase in (
+        Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED
+    ):
+        live._queue_end_of_backward()
+
+
+def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:
+    live = reducer()
+    if live is not None:
+        live._autograd_hook(index, param)
+
+
+def _no_clock() -> int:
+    return 0
+
+
+def _recording_clock(config: ReducerConfig) -> Callable[[], int]:
+    return config.clock if config.record_events else _no_clock
+
+
+def _remove_handles(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+def _record_completion(events: list, clock: Callable[[], int], bucket_index: int, _future: object) -> None:
+    events.append((clock(), EventKind.COMPLETE, bucket_index))
+
+
+def _default_names(params: Sequence[torch.Tensor]) -> list[str]:
+    return [f"parameter[{i}]" for i in range(len(params))]
+
+
+def _check_params(params: list[torch.Tensor], names: list[str]) -> None:
+    if not params:
+        raise ValueError("gradsync.Reducer needs at least one parameter to synchronise")
+    if len(names) != len(params):
+        raise ValueError(f"got {len(names)} parameter names for {len(params)} parameters")
+    frozen = [n for p, n in zip(params, names) if not p.requires_grad]
+    if frozen:
+        raise ValueError(
+            f"parameters that do not require grad cannot be synchronised: {format_names(frozen)}. "
+            "Leave them out of the Reducer (DistributedDataParallel does so automatically), or "
+            "set requires_grad=True on them."
+        )
+    seen: dict[int, str] = {}
+    for p, n in zip(params, names):
+        if id(p) in seen:
+            raise ValueError(
+                f"parameter {n!r} is the same tensor as {seen[id(p)]!r}; pass each shared "
+                "parameter once"
+            )
+        seen[id(p)] = n

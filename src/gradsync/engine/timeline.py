@@ -1,0 +1,63 @@
+"""What happened, and when, in one iteration of the Reducer: the raw material for stats and plans.
+
+Recording is one `list.append` of a `(time_ns, kind, index)` tuple per event, cheap enough to
+leave on. The list is in the order events happened on the backward thread; completions are
+appended from the communication thread when the reduction finishes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+__all__ = ["DiscardedEvents", "EventKind", "IterationTimeline", "now_ns"]
+
+now_ns = time.perf_counter_ns
+
+
+class EventKind:
+    """Event kinds, as small ints so the hot path appends plain tuples."""
+
+    READY = 0  # a parameter's gradient became ready (index: parameter)
+    UNUSED = 1  # a parameter was marked ready because it took no part in the graph
+    BUCKET_READY = 2  # a bucket's last gradient arrived (index: bucket)
+    LAUNCH = 3  # a bucket's all-reduce was started (index: bucket)
+    COMPLETE = 4  # a bucket's all-reduce finished (index: bucket)
+
+
+class DiscardedEvents(list):
+    """The events list of an iteration that records nothing (`ReducerConfig.record_events`)."""
+
+    def append(self, _event: object) -> None:
+        pass
+
+
+@dataclasses.dataclass
+class IterationTimeline:
+    """Events of one synchronised backward pass, with the bucket layout it ran under."""
+
+    iteration: int
+    start_ns: int
+    bucket_indices: list[list[int]]
+    bucket_bytes: list[int]
+    events: list[tuple[int, int, int]] = dataclasses.field(default_factory=list)
+    backward_end_ns: int = 0
+    finish_ns: int = 0
+    forward_start_ns: int = 0
+    """When the forward that led here began (0 if the caller did not say)."""
+
+    def times(self, kind: int) -> dict[int, int]:
+        """index -> time (ns since `start_ns`) of the first event of `kind`."""
+        out: dict[int, int] = {}
+        for t, k, i in self.events:
+            if k == kind and i not in out:
+                out[i] = t - self.start_ns
+        return out
+
+    def order(self, *kinds: int) -> list[tuple[int, int]]:
+        """(kind, index) of the events of the given kinds, in the order they were recorded."""
+        return [(k, i) for _, k, i in self.events if k in kinds]
+
+    def ready_order(self) -> list[int]:
+        """Parameter indices in the order their gradients became ready (unused ones included)."""
+        return [i for _, k, i in self.events if k in (EventKind.READY, EventKind.UNUSED)]

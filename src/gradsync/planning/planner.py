@@ -1,0 +1,295 @@
+"""Planned buckets: choose bucket boundaries from measured timings instead of a fixed 25 MiB.
+
+Two pure pieces, tested without a process group:
+
+* `CostModel`: all-reduce time ≈ α + β·bytes, fitted by least squares (`fit_cost_model`) to a short
+  probe of the group in use (`probe_cost_model`, the only part that communicates).
+* `plan_buckets`: given when each gradient becomes ready (in ready order), its size and the cost
+  model, the bucket boundaries that minimise the predicted time at which the last all-reduce
+  finishes. Collectives run one after another, so bucket k finishes at
+  max(finish[k-1], ready of its last gradient) + α + β·bytes[k]; a dynamic programme over the
+  ready order finds the best segmentation exactly (O(n²) in the number of gradients, which are
+  first merged into at most `max_atoms` consecutive groups when there are more).
+
+Buckets never mix (dtype, device) groups: a boundary is forced wherever the group changes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Hashable, Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, wait
+
+__all__ = [
+    "CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model",
+    "LoadProbe", "probe_under_load", "probe_sizes",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class CostModel:
+    """All-reduce time in milliseconds for a message of `nbytes`: alpha + beta * nbytes."""
+
+    alpha_ms: float
+    beta_ms_per_byte: float
+
+    def time_ms(self, nbytes: float) -> float:
+        return self.alpha_ms + self.beta_ms_per_byte * nbytes
+
+    @property
+    def bandwidth_gbps(self) -> float:
+        """Bytes per second implied by beta, in GB/s (all-reduce 'bus' terms aside)."""
+        return 1e-6 / self.beta_ms_per_byte if self.beta_ms_per_byte > 0 else float("inf")
+
+
+def fit_cost_model(sizes: Sequence[float], times_ms: Sequence[float]) -> CostModel:
+    """The line through (bytes, ms) with the least *relative* squared error, kept non-negative.
+
+    Relative: probe sizes span orders of magnitude, and a plain least-squares line is pinned by
+    the largest ones, leaving the latency (alpha) to chance; yet alpha is what decides how many
+    buckets pay off.
+    """
+    if len(sizes) != len(times_ms) or len(sizes) < 2:
+        raise ValueError(f"need at least two (size, time) pairs, got {len(sizes)} and {len(times_ms)}")
+    if len(set(sizes)) < 2:
+        raise ValueError("probe sizes must differ")
+    w = [1.0 / max(t, 1e-9) ** 2 for t in times_ms]
+    sw = sum(w)
+    sx = sum(wi * x for wi, x in zip(w, sizes))
+    sy = sum(wi * y for wi, y in zip(w, times_ms))
+    sxx = sum(wi * x * x for wi, x in zip(w, sizes))
+    sxy = sum(wi * x * y for wi, x, y in zip(w, sizes, times_ms))
+    beta = max((sw * sxy - sx * sy) / (sw * sxx - sx * sx), 0.0)
+    alpha = max((sy - beta * sx) / sw, 0.0)
+    return CostModel(alpha, beta)
+
+
+PROBE_SIZES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+
+
+def probe_sizes(gradient_bytes: int) -> tuple[int, ...]:
+    """The default probe sizes, plus the whole gradient (up to 64 MiB) when it is larger: the
+    fit should hold over the bucket sizes a plan can choose, and large messages fall out of
+    the caches and cost more per byte than small ones."""
+    top = min(gradient_bytes, 64 << 20)
+    return PROBE_SIZES + ((top,) if top > PROBE_SIZES[-1] else ())
+
+
+def probe_cost_model(
+    group: dist.ProcessGroup,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    sizes: Sequence[int] = PROBE_SIZES,
+    repeats: int = 5,
+) -> CostModel:
+    """Time all-reduces of a few sizes on `group` and fit the cost model; every rank gets the
+    same model (each size's time is the slowest rank's median)."""
+    element = torch.empty(0, dtype=dtype).element_size()
+    medians = []
+    for nbytes in sizes:
+        t = torch.zeros(max(nbytes // element, 1), dtype=dtype, device=device)
+        wait(group.allreduce([t]), "cost-model probe", group, DEFAULT_TIMEOUT)  # warm-up
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            wait(group.allreduce([t]), "cost-model probe", group, DEFAULT_TIMEOUT)
+            samples.append((time.perf_counter() - start) * 1e3)
+        medians.append(statistics.median(samples))
+    agreed = torch.tensor(medians, dtype=torch.float64, device=device)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "cost-model agreement")
+    return fit_cost_model([float(s) for s in sizes], agreed.tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadProbe:
+    """How collectives and a synchronised step behave while every rank computes on the CPU,
+    measured at `ranks` ranks (`probe_under_load`)."""
+
+    ranks: int
+    cost: CostModel
+    """What one all-reduce adds to a step when it runs during compute."""
+    compute_ms: float
+    """The probe's compute, on the slowest rank (wall time, sharing cores as the ranks do)."""
+    step_ms: float
+    """The same compute as a synchronised step: ending in a tiny all-reduce, back to back."""
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fields = {"ranks": self.ranks, "alpha_ms": self.cost.alpha_ms, "beta_ms_per_byte": self.cost.beta_ms_per_byte,
+                  "compute_ms": self.compute_ms, "step_ms": self.step_ms}
+        path.write_text(json.dumps(fields, indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> LoadProbe:
+        try:
+            data = json.loads(Path(path).read_text())
+            return cls(int(data["ranks"]), CostModel(float(data["alpha_ms"]), float(data["beta_ms_per_byte"])),
+                       float(data["compute_ms"]), float(data["step_ms"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"{path}: not a gradsync load probe (LoadProbe.save): {error}") from error
+
+
+def probe_under_load(
+    group: dist.ProcessGroup,
+    dtype: torch.dtype = torch.float32,
+    sizes: Sequence[int] = PROBE_SIZES,
+    repeats: int = 7,
+    busy_ms: float = 8.0,
+    launches: int = 4,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+) -> LoadProbe:
+    """Measure what collectives cost while every rank computes on the CPU (see `LoadProbe`).
+
+    Each probe step is `busy_ms` of matrix products (the same number on every rank) with
+    `launches` all-reduces of one size started along the way, then a tiny all-reduce that ends
+    the step, as a last bucket would; a size's cost is the step time beyond the same step
+    without those launches, per launch. On a host whose cores all run a rank's compute, gloo's
+    threads take their time from that compute and wait for the scheduler, so a collective
+    costs several times what the idle probe says (about 1 ms against 0.3 ms for a small one at
+    2 ranks on 2 cores); where cores are free it comes out near zero, as overlap hides it.
+    Steps without launches also give how a synchronised step stretches beyond its compute
+    when ranks outnumber cores. Every rank gets the same result (the slowest rank's medians);
+    a rank that does not take part makes the others raise after `timeout`."""
+    a = torch.randn(96, 96)
+    products = max(int(busy_ms * 1e-3 / _seconds_per_product(a, group, timeout)), launches + 1)
+    element = torch.empty(0, dtype=dtype).element_size()
+    end = torch.zeros(1, dtype=dtype)
+
+    def step(tensors: list[torch.Tensor]) -> tuple[float, float]:
+        works, chunk = [], products // (len(tensors) + 1)
+        start = time.perf_counter()
+        for t in tensors:
+            _busy(a, chunk)
+            works.append(group.allreduce([t]))
+        _busy(a, products - chunk * len(tensors))
+        computed = time.perf_counter()
+        works.append(group.allreduce([end]))
+        for w in works:
+            wait(w, "loaded cost-model probe", group, timeout)
+        return (time.perf_counter() - start) * 1e3, (computed - start) * 1e3
+
+    messages = [[torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes]
+    for _ in range(3):  # warm-up, into the steady state of back-to-back steps
+        step([])
+    base: list[tuple[float, float]] = []
+    loaded: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):  # interleaved, so drift hits every size alike
+        for k, tensors in enumerate(messages):
+            base.append(step([]))
+            loaded[k].append(step(tensors)[0])
+    floor = statistics.median(t for t, _ in base)
+    marginal = [(statistics.median(t) - floor) / launches for t in loaded]
+    agreed = torch.tensor([floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "loaded cost-model agreement", timeout)
+    step_ms, compute_ms, *costs = agreed.tolist()
+    # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
+    cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
+    return LoadProbe(group.size(), cost, compute_ms, step_ms)
+
+
+def _busy(a: torch.Tensor, products: int) -> None:
+    for _ in range(products):
+        torch.mm(a, a)
+
+
+def _seconds_per_product(a: torch.Tensor, group: dist.ProcessGroup, timeout: timedelta) -> float:
+    """One product's time, the fastest rank's, so every rank runs the same number."""
+    _busy(a, 10)
+    start = time.perf_counter()
+    _busy(a, 50)
+    agreed = torch.tensor([(time.perf_counter() - start) / 50], dtype=torch.float64)
+    return float(all_reduce(group, agreed, dist.ReduceOp.MIN, "loaded cost-model calibration", timeout).item())
+
+
+def predict_finish_ms(
+    ready_ms: Sequence[float],
+    nbytes: Sequence[int],
+    buckets: Sequence[Sequence[int]],
+    cost: CostModel,
+    serial: bool = False,
+) -> float:
+    """When the last bucket's all-reduce finishes, launching buckets in order as they fill.
+
+    `buckets` hold positions into `ready_ms` / `nbytes` (the ready order). `serial`: nothing
+    overlaps (a saturated CPU host, `cost` measured under load): every all-reduce adds to the
+    time backward takes."""
+    if serial:
+        return max(ready_ms, default=0.0) + sum(cost.time_ms(sum(nbytes[i] for i in b)) for b in buckets)
+    finish = 0.0
+    for bucket in buckets:
+        ready = max(ready_ms[i] for i in bucket)
+        finish = max(finish, ready) + cost.time_ms(sum(nbytes[i] for i in bucket))
+    return finish
+
+
+def plan_buckets(
+    ready_ms: Sequence[float],
+    nbytes: Sequence[int],
+    cost: CostModel,
+    groups: Sequence[Hashable] | None = None,
+    max_atoms: int = 400,
+) -> list[list[int]]:
+    """The segmentation of positions 0..n-1 (ready order) that minimises the predicted finish.
+
+    `ready_ms` must be non-decreasing. `groups[i]` is position i's (dtype, device) key, if mixed.
+    """
+    n = len(ready_ms)
+    if n == 0:
+        raise ValueError("plan_buckets: no gradients to plan")
+    if len(nbytes) != n or (groups is not None and len(groups) != n):
+        raise ValueError("plan_buckets: ready_ms, nbytes and groups must have one entry per gradient")
+    if any(b < a for a, b in zip(ready_ms, ready_ms[1:])):
+        raise ValueError("plan_buckets: ready_ms must be in ready order (non-decreasing)")
+    keys = list(groups) if groups is not None else [0] * n
+    atoms = _atoms(nbytes, keys, max_atoms)
+    ready = [ready_ms[a[-1]] for a in atoms]
+    size = [sum(nbytes[i] for i in a) for a in atoms]
+    key = [keys[a[0]] for a in atoms]
+    cuts = _best_cuts(ready, size, key, cost)
+    return [[i for a in atoms[lo:hi] for i in a] for lo, hi in zip(cuts, cuts[1:])]
+
+
+def _atoms(nbytes: Sequence[int], keys: Sequence[Hashable], max_atoms: int) -> list[list[int]]:
+    """Consecutive positions merged into at most about `max_atoms` groups of similar bytes."""
+    target = sum(nbytes) / max_atoms if len(nbytes) > max_atoms else 0
+    atoms: list[list[int]] = []
+    total = 0
+    for i, b in enumerate(nbytes):
+        if atoms and keys[atoms[-1][0]] == keys[i] and total + b <= target:
+            atoms[-1].append(i)
+            total += b
+        else:
+            atoms.append([i])
+            total = b
+    return atoms
+
+
+def _best_cuts(ready: list[float], size: list[int], key: list[Hashable], cost: CostModel) -> list[int]:
+    n = len(ready)
+    prefix = [0]
+    for s in size:
+        prefix.append(prefix[-1] + s)
+    best = [0.0] + [float("inf")] * n
+    parent = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j - 1, -1, -1):  # segment i..j-1, growing to the left
+            if key[i] != key[j - 1]:
+                break  # a bucket holds one (dtype, device) group
+            finish = max(best[i], ready[j - 1]) + cost.time_ms(prefix[j] - prefix[i])
+            if finish < best[j]:
+                best[j], parent[j] = finish, i
+    cuts = [n]
+    while cuts[-1] > 0:
+        cuts.append(parent[cuts[-1]])
+    return cuts[::-1]

@@ -1,0 +1,333 @@
+"""Predict step time at scale from one measured timing profile, with the planner's model.
+
+A *profile* is what one real run measured (`DistributedDataParallel.save_timing_profile`): the
+forward time, each gradient's ready time after forward and its size, in ready order. A *network*
+is a bandwidth, a latency and an all-reduce algorithm. For each rank count the simulator prices
+an all-reduce of M bytes as
+
+* ring: 2(N-1)·latency + 2(N-1)/N · M / bandwidth
+* tree: 2·ceil(log2 N)·latency + 2 · M / bandwidth
+
+and replays backward: buckets launch in order as they fill, one collective at a time. Three
+layouts are compared: torch's default (1 MiB first bucket, then 25 MiB, in ready order), the
+planned one (`plan_buckets` under that N's cost) and no overlap (one all-reduce after backward).
+
+A *host* says how ranks share machines: with more ranks on a host than it has cores (CPU
+training, or this project's 2-core test machine), compute stretches by ranks/cores, relative to
+the ranks per host the profile was recorded with.
+
+A host whose cores all run a rank's compute, with collectives on the CPU too (gloo), is
+*saturated*: communication takes its time from compute instead of hiding behind it, and waits
+for the scheduler. Neither the network formula nor a fair-share stretch prices that well (about
+20 % off on the 2-core test machine), so such a host is better described by measurement:
+`planner.probe_under_load` at each rank count gives what one all-reduce adds to a step while
+the ranks compute, and how a synchronised step stretches beyond its compute. Given probes for
+the profile's rank count and the predicted one, the step is the profile's compute, stretched as
+the probe's step is, plus every bucket's cost under load (one bucket is then the best plan).
+Record the profile with a core per rank: under oversubscription a rank's own timings already
+hold part of the stretch, unevenly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from ..engine.bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
+from ..engine.timeline import EventKind
+
+if TYPE_CHECKING:
+    from ..engine.reducer import Reducer
+from .planner import CostModel, LoadProbe, plan_buckets, predict_finish_ms
+
+__all__ = ["Host", "Network", "Profile", "Prediction", "simulate", "default_layout"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """Measured timings of one iteration (medians), gradients in ready order."""
+
+    forward_ms: float
+    ready_ms: tuple[float, ...]
+    nbytes: tuple[int, ...]
+    names: tuple[str, ...] = ()
+    world_size: int = 1
+    """Ranks of the recorded run (all on one host, for `Host` scaling)."""
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        data = json.loads(Path(path).read_text())
+        try:
+            return cls(
+                forward_ms=float(data["forward_ms"]),
+                ready_ms=tuple(float(t) for t in data["ready_ms"]),
+                nbytes=tuple(int(b) for b in data["nbytes"]),
+                names=tuple(data.get("names", ())),
+                world_size=int(data.get("world_size", 1)),
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(
+                f"{path}: not a gradsync timing profile (need forward_ms, ready_ms, nbytes): {error}"
+            ) from error
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+        return path
+
+    @classmethod
+    def slowest(cls, profiles: Sequence[Profile]) -> Profile:
+        """One profile from every rank's: the latest forward and ready time of each gradient
+        over the ranks, since the slowest rank sets the step (as the planner's agreed input)."""
+        if not profiles:
+            raise ValueError("Profile.slowest: no profiles")
+        first = profiles[0]
+        if len(first.names) != len(first.ready_ms):
+            raise ValueError("Profile.slowest: profiles need parameter names to be matched")
+        ready = {name: t for name, t in zip(first.names, first.ready_ms)}
+        for other in profiles[1:]:
+            if set(other.names) != set(ready):
+                raise ValueError("Profile.slowest: the ranks' profiles name different parameters")
+            for name, t in zip(other.names, other.ready_ms):
+                ready[name] = max(ready[name], t)
+        size = dict(zip(first.names, first.nbytes))
+        position = {name: i for i, name in enumerate(first.names)}
+        order = sorted(ready, key=lambda name: (ready[name], position[name]))
+        return cls(
+            forward_ms=max(p.forward_ms for p in profiles),
+            ready_ms=tuple(ready[name] for name in order),
+            nbytes=tuple(size[name] for name in order),
+            names=tuple(order),
+            world_size=first.world_size,
+        )
+
+    @property
+    def backward_ms(self) -> float:
+        return self.ready_ms[-1] if self.ready_ms else 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Network:
+    bandwidth_gbps: float
+    """Per-link bandwidth in GB/s."""
+    latency_us: float
+    algorithm: str = "ring"
+
+    def __post_init__(self) -> None:
+        if self.bandwidth_gbps <= 0 or self.latency_us < 0:
+            raise ValueError(f"bandwidth must be > 0 and latency >= 0, got {self}")
+        if self.algorithm not in ("ring", "tree"):
+            raise ValueError(f"algorithm={self.algorithm!r}: expected 'ring' or 'tree'")
+
+    def cost(self, ranks: int) -> CostModel:
+        """All-reduce cost on `ranks` ranks as a CostModel (alpha ms, beta ms per byte)."""
+        alpha, per_byte = self.latency_us * 1e-3, 1e-6 / self.bandwidth_gbps
+        if ranks <= 1:
+            return CostModel(0.0, 0.0)
+        if self.algorithm == "ring":
+            return CostModel(2 * (ranks - 1) * alpha, 2 * (ranks - 1) / ranks * per_byte)
+        return CostModel(2 * math.ceil(math.log2(ranks)) * alpha, 2 * per_byte)
+
+
+    @classmethod
+    def from_cost(cls, cost: CostModel, ranks: int, algorithm: str = "ring") -> Network:
+        """The network whose all-reduce on `ranks` ranks costs `cost` (e.g. a probe's fit)."""
+        if ranks < 2:
+            raise ValueError("from_cost: a cost measured on at least 2 ranks is needed")
+        if algorithm == "ring":
+            latency_ms, per_byte = cost.alpha_ms / (2 * (ranks - 1)), cost.beta_ms_per_byte * ranks / (2 * (ranks - 1))
+        else:
+            latency_ms, per_byte = cost.alpha_ms / (2 * math.ceil(math.log2(ranks))), cost.beta_ms_per_byte / 2
+        return cls(1e-6 / max(per_byte, 1e-18), latency_ms * 1e3, algorithm)
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """How ranks share machines. `ranks`: ranks per host; `cores`: cores per host (None: never
+    more ranks than cores, compute does not stretch)."""
+
+    ranks: int = 1
+    cores: int | None = None
+    cpu_collectives: bool = False
+    """Collectives run on the host's CPU (gloo): once its cores are all busy, communication
+    competes with compute instead of overlapping it, and stretches like it."""
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or (self.cores is not None and self.cores < 1):
+            raise ValueError(f"a host needs at least one rank and one core, got {self}")
+
+    def saturated(self, ranks: int) -> bool:
+        """Every core busy with a rank's compute: CPU collectives cannot overlap it."""
+        return self.cpu_collectives and self.cores is not None and min(ranks, self.ranks) >= self.cores
+
+    def stretch(self, ranks: int) -> float:
+        """How much longer compute takes with `ranks` ranks in all than with one per host."""
+        if self.cores is None:
+            return 1.0
+        return max(1.0, min(ranks, self.ranks) / self.cores)
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    ranks: int
+    default_ms: float
+    planned_ms: float
+    no_overlap_ms: float
+    planned_buckets: int
+    compute_ms: float
+    planned_layout: tuple[tuple[int, ...], ...] = ()
+    """The planned buckets, as positions in the profile's ready order."""
+
+    def efficiency(self, step_ms: float) -> float:
+        """Scaling efficiency: the one-rank (compute-only) step over this step."""
+        return self.compute_ms / step_ms if step_ms > 0 else 1.0
+
+
+def default_layout(nbytes: Sequence[int]) -> list[list[int]]:
+    """torch's limits applied in ready order: a 1 MiB first bucket, then 25 MiB ones."""
+    buckets: list[list[int]] = [[]]
+    limits = [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES]
+    size = 0
+    for i, b in enumerate(nbytes):
+        buckets[-1].append(i)
+        size += b
+        if size >= limits[min(len(buckets) - 1, 1)]:
+            buckets.append([])
+            size = 0
+    return [b for b in buckets if b]
+
+
+def simulate(
+    profile: Profile,
+    network: Network,
+    ranks: Sequence[int],
+    host: Host | None = None,
+    loads: Mapping[int, LoadProbe] | None = None,
+) -> list[Prediction]:
+    """Predicted step time (forward + backward + exposed communication) for each rank count.
+
+    `loads`: probes under load (`planner.probe_under_load`) by rank count. On a saturated CPU
+    host with probes for the profile's rank count and the predicted one, they price the step
+    instead of the network and the fair-share stretch (see `_saturated`)."""
+    host = host or Host()
+    nbytes = list(profile.nbytes)
+    default = default_layout(nbytes)
+    loads = loads or {}
+    out = []
+    for n in ranks:
+        if host.saturated(n) and n in loads and profile.world_size in loads:
+            out.append(_saturated(profile, default, loads[profile.world_size], loads[n], n))
+            continue
+        k = host.stretch(n) / host.stretch(profile.world_size)
+        ready = [t * k for t in profile.ready_ms]
+        forward, backward = profile.forward_ms * k, profile.backward_ms * k
+        cost = network.cost(n)
+        serial = host.saturated(n)
+        if serial:  # communication waits for cores: it adds to compute, and stretches like it
+            cost = CostModel(cost.alpha_ms * host.stretch(n), cost.beta_ms_per_byte * host.stretch(n))
+        planned = plan_buckets(ready, nbytes, cost)
+        out.append(
+            Prediction(
+                ranks=n,
+                default_ms=forward + _finish(ready, nbytes, default, cost, serial),
+                planned_ms=forward + _finish(ready, nbytes, planned, cost, serial),
+                no_overlap_ms=forward + backward + cost.time_ms(sum(nbytes)),
+                planned_buckets=len(planned),
+                compute_ms=forward + backward,
+                planned_layout=tuple(tuple(b) for b in planned),
+            )
+        )
+    return out
+
+
+def _saturated(
+    profile: Profile, default: list[list[int]], recorded: LoadProbe, target: LoadProbe, ranks: int
+) -> Prediction:
+    """A host whose cores all run a rank's compute, with CPU collectives: nothing overlaps.
+
+    The step is the compute, stretched as the probe's synchronised step stretches (its step
+    at the predicted rank count over its compute at the recorded one, where the profile's
+    compute was measured alike), plus what each bucket's all-reduce adds to a step under load.
+    The best plan is then the fewest buckets: one, the same as no overlap."""
+    compute = profile.forward_ms + profile.backward_ms
+    stretched = compute * target.step_ms / recorded.compute_ms
+
+    def step(layout: list[list[int]]) -> float:
+        return stretched + sum(target.cost.time_ms(sum(profile.nbytes[i] for i in b)) for b in layout)
+
+    one = [list(range(len(profile.nbytes)))]
+    return Prediction(
+        ranks=ranks,
+        default_ms=step(default),
+        planned_ms=step(one),
+        no_overlap_ms=step(one),
+        planned_buckets=1,
+        compute_ms=compute,
+        planned_layout=(tuple(one[0]),),
+    )
+
+
+def _finish(
+    ready: list[float], nbytes: list[int], layout: list[list[int]], cost: CostModel, serial: bool
+) -> float:
+    """When the gradients are reduced, after forward: overlapped with backward, or after it."""
+    if serial:
+        return predict_finish_ms(ready, nbytes, layout, cost, serial=True)
+    return max(predict_finish_ms(ready, nbytes, layout, cost), ready[-1] if ready else 0.0)
+
+
+def markdown(predictions: Sequence[Prediction]) -> str:
+    lines = [
+        "| ranks | default ms | planned ms | no overlap ms | planned buckets | efficiency (planned) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for p in predictions:
+        lines.append(
+            f"| {p.ranks} | {p.default_ms:.3f} | {p.planned_ms:.3f} | {p.no_overlap_ms:.3f} | "
+            f"{p.planned_buckets} | {p.efficiency(p.planned_ms):.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def plot(predictions: Sequence[Prediction], path: str | Path) -> Path:
+    from ..observability.plot import figure, save_figure
+
+    ranks = [p.ranks for p in predictions]
+    fig, ax = figure(7, 4)
+    for label, attr in [("default", "default_ms"), ("planned", "planned_ms"), ("no overlap", "no_overlap_ms")]:
+        ax.plot(ranks, [getattr(p, attr) for p in predictions], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("ranks")
+    ax.set_ylabel("predicted step time (ms)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return save_figure(fig, path)
+
+
+def timing_profile(reducer: Reducer, window: int = 8) -> Profile:
+    """Median timings of the last `window` iterations, gradients in ready order: the input
+    of `gradsync simulate`."""
+    timelines = [t for t in list(reducer.history)[-window:] if t.finish_ns]
+    if not timelines:
+        raise RuntimeError("timing_profile: no finished iteration recorded yet")
+    ready: list[list[float]] = [[] for _ in reducer.params]
+    for tl in timelines:
+        for t, kind, i in tl.events:
+            if kind in (EventKind.READY, EventKind.UNUSED):
+                ready[i].append((t - tl.start_ns) * 1e-6)
+    median = [statistics.median(v) if v else 0.0 for v in ready]
+    order = sorted(range(len(reducer.params)), key=lambda i: (median[i], i))
+    forward = [(t.start_ns - t.forward_start_ns) * 1e-6 for t in timelines if t.forward_start_ns]
+    return Profile(
+        forward_ms=statistics.median(forward) if forward else 0.0,
+        ready_ms=tuple(median[i] for i in order),
+        nbytes=tuple(reducer.params[i].numel() * reducer.params[i].element_size() for i in order),
+        names=tuple(reducer.names[i] for i in order),
+        world_size=reducer.world_size,
+    )

@@ -1,0 +1,87 @@
+"""Benchmark plumbing shared by `benchmarks/` and (later) `gradsync bench`.
+
+This machine is shared and noisy, so every comparison is run the same way: variants interleaved
+round by round (each round runs every variant once, in a rotated order), warm-up rounds dropped,
+and reported as medians plus paired ratios to a baseline, next to an A/A ratio (the baseline
+against a second copy of itself) that shows how much of a difference is noise.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+__all__ = ["Comparison", "interleave", "markdown_table", "timed"]
+
+
+class Comparison:
+    """Per-variant samples of one measurement (e.g. ms per step), collected round by round."""
+
+    def __init__(self, variants: Sequence[str]) -> None:
+        self.variants = list(variants)
+        self.samples: dict[str, list[float]] = {v: [] for v in variants}
+
+    def add(self, variant: str, value: float) -> None:
+        self.samples[variant].append(value)
+
+    def median(self, variant: str) -> float:
+        return statistics.median(self.samples[variant])
+
+    def spread(self, variant: str) -> tuple[float, float]:
+        """(25th, 75th) percentile."""
+        q = statistics.quantiles(self.samples[variant], n=4, method="inclusive")
+        return q[0], q[2]
+
+    def paired_ratio(self, variant: str, baseline: str) -> float:
+        """Median over rounds of variant/baseline: pairs share a round, so share its noise."""
+        pairs = zip(self.samples[variant], self.samples[baseline])
+        return statistics.median(a / b for a, b in pairs)
+
+
+def interleave(
+    variants: dict[str, Callable[[], float]], rounds: int, warmup: int = 1
+) -> Comparison:
+    """Run each variant once per round, rotating the order; return the post-warm-up samples.
+
+    Each callable returns its own measurement (so it can time only what matters). All ranks
+    must call this with the same variants and rounds: the order is deterministic.
+    """
+    names = list(variants)
+    result = Comparison(names)
+    for r in range(warmup + rounds):
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            value = variants[name]()
+            if r >= warmup:
+                result.add(name, value)
+    return result
+
+
+def timed(fn: Callable[[], object], repeat: int) -> float:
+    """Median seconds of `repeat` calls of `fn`."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def markdown_table(
+    comparison: Comparison, baseline: str, aa: str | None, unit: str, scale: float = 1.0
+) -> str:
+    """Medians, interquartile spreads and paired ratios to `baseline` as a markdown table."""
+    lines = [
+        f"| variant | median {unit} | IQR {unit} | ratio to {baseline} |",
+        "|---|---:|---:|---:|",
+    ]
+    for v in comparison.variants:
+        lo, hi = comparison.spread(v)
+        ratio = comparison.paired_ratio(v, baseline)
+        label = f"{v} (A/A noise)" if v == aa else v
+        lines.append(
+            f"| {label} | {comparison.median(v) * scale:.3f} | {lo * scale:.3f}–{hi * scale:.3f} "
+            f"| {ratio:.3f} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,254 @@
+"""`gradsync bench`: gradsync against torch's DDP, side by side, on a small benchmark set.
+
+Run through torch's launcher (`gradsync bench` does it): every rank builds each variant from the
+same seed; in every round each variant trains `--repeat` steps on the same batches (the order of
+variants rotates round by round; the first rounds are warm-up, long enough for planned
+buckets to finish their trial). Rank 0 reports medians, spreads
+and paired ratios to torch's DDP, the measured all-reduce cost and each model's communication
+floor, checks that every synchronising variant ended with the same parameters, and writes a
+markdown table, a JSON file and a PNG chart.
+
+Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with gradient_as_bucket_view; gradsync with
+planned buckets (`bucket_cap_mb="auto"`); no overlap (plain backward, then one flat all-reduce);
+and the compute-only floor (no communication at all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..planning.planner import probe_cost_model, probe_sizes
+from ..wrapper.ddp import DistributedDataParallel
+from .bench import Comparison, interleave, markdown_table, timed
+
+__all__ = ["MODELS", "main"]
+
+AUTO_SETTLES = 3 + 4 * 4 * 3 + 1  # AutoBuckets: warm-up, 4 rounds x up to 4 layouts x 3 steps, decide
+VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
+
+
+class TinyGPT(nn.Module):
+    """A small GPT-style decoder: embeddings, causal self-attention blocks, LM head."""
+
+    def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, seq: int = 32) -> None:
+        super().__init__()
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        block = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        h = self.blocks(self.embed(tokens) + self.pos(positions), mask=self.mask, is_causal=True)
+        return self.head(h)
+
+
+def _many_small() -> tuple[nn.Module, Callable[[torch.Generator], torch.Tensor]]:
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(100)]), lambda g: torch.randn(32, 16, generator=g)
+
+
+def _gpt():
+    return TinyGPT(), lambda g: torch.randint(0, 256, (8, 32), generator=g)
+
+
+def _convnet():
+    model = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(64 * 16, 10),
+    )
+    return model, lambda g: torch.randn(16, 3, 32, 32, generator=g)
+
+
+def _wide_mlp():
+    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]), lambda g: torch.randn(32, 1024, generator=g)
+
+
+MODELS = {"many_small": _many_small, "tiny_gpt": _gpt, "convnet": _convnet, "wide_mlp": _wide_mlp}
+
+
+class _FlatAfterBackward(nn.Module):
+    """No overlap: gradients all-reduced in one flat message after backward returns."""
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None) -> None:
+        super().__init__()
+        self.module, self.group = module, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.module(x)
+
+    def sync(self) -> None:
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat.div_(dist.get_world_size(self.group))
+        parts = flat.split([g.numel() for g in grads])
+        torch._foreach_copy_(grads, [part.view_as(g) for part, g in zip(parts, grads)])
+
+
+def _loss(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dict):
+    torch.manual_seed(0)
+    model, make_input = MODELS[model_name]()
+    wrapped: nn.Module
+    if name.startswith("torch DDP"):  # "(again)": the A/A pair that shows the noise
+        wrapped = nn.parallel.DistributedDataParallel(model)
+    elif name.startswith("gradsync"):
+        kwargs: dict[str, Any] = {"gradient_as_bucket_view": True} if "as_view" in name else {}
+        if "planned" in name:
+            kwargs["bucket_cap_mb"] = "auto"
+        wrapped = DistributedDataParallel(model, **kwargs)
+    elif name == "no overlap":
+        wrapped = _FlatAfterBackward(model, None)
+    else:
+        wrapped = model
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1000 + rank)
+    batches = [make_input(g) for _ in range(4)]
+    counter = [0]
+
+    def step() -> None:
+        opt.zero_grad()
+        _loss(wrapped(batches[counter[0] % len(batches)])).backward()
+        if isinstance(wrapped, _FlatAfterBackward):
+            wrapped.sync()
+        opt.step()
+        counter[0] += 1
+
+    state[name] = model
+    if "planned" in name:
+        state["plan of " + name] = wrapped  # read after timing: what "auto" chose
+    return lambda: timed(step, repeat)
+
+
+def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
+    models: dict[str, nn.Module] = {}
+    variants = {v: _make_variant(v, model_name, rank, repeat, models) for v in VARIANTS}
+    # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
+    # (every variant trains the same steps, so all still end with the same parameters).
+    result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(AUTO_SETTLES / repeat)))
+    nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
+    cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
+    plans = {k: str(models.pop(k).bucket_plan()) for k in [k for k in models if k.startswith("plan of ")]}  # type: ignore[operator]
+    same = _same_parameters(models)
+    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans}
+
+
+def _same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
+    """Max |difference| of each synchronising variant's parameters to torch DDP's."""
+    ref = [p.detach() for p in models["torch DDP"].parameters()]
+    out = {}
+    for name, model in models.items():
+        if name in ("torch DDP", "compute only"):
+            continue
+        out[name] = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), ref))
+    return out
+
+
+def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
+    result: Comparison = data["result"]
+    cost = data["cost"]
+    floor = cost.time_ms(data["nbytes"])
+    lines = [
+        f"### {model_name}: {data['nbytes'] / 2**20:.2f} MiB of gradients, world size "
+        f"{dist.get_world_size()}, {rounds} rounds x {repeat} steps",
+        "",
+        markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3),
+        "",
+        f"all-reduce here ≈ {cost.alpha_ms:.3f} ms + {cost.beta_ms_per_byte * 2**20:.3f} ms/MiB "
+        f"({cost.bandwidth_gbps:.2f} GB/s); communication floor for this model: {floor:.2f} ms",
+        "same parameters as torch DDP (max |diff|): "
+        + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
+        *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
+    ]
+    return "\n".join(lines)
+
+
+def chart(results: dict[str, dict], path: Path) -> Path:
+    from ..observability.plot import figure, save_figure
+
+    names = [v for v in VARIANTS if v != "torch DDP"]  # the A/A bar shows the noise
+    fig, ax = figure(9, 4)
+    width = 0.8 / len(names)
+    for k, v in enumerate(names):
+        ratios = [results[m]["result"].paired_ratio(v, "torch DDP") for m in results]
+        ax.bar([i + k * width for i in range(len(results))], ratios, width, label=v)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(results))], list(results))
+    ax.set_ylabel("step time / torch DDP's (lower is faster)")
+    ax.legend(fontsize="small", ncol=3)
+    return save_figure(fig, path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--rounds", type=int, default=25, help="measured rounds after the warm-up (default 25)")
+    p.add_argument("--repeat", type=int, default=8, help="steps per variant per round (default 8)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models")
+    p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.rounds, args.repeat, args.models = 2, 2, "many_small,convnet"
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown or args.rounds < 1 or args.repeat < 1:
+        p.error(f"unknown models {unknown} (choose from {list(MODELS)}), or rounds/repeat below 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank = dist.get_rank()
+        results = {m: run_model(m, args.rounds, args.repeat, rank) for m in args.models.split(",")}
+        if rank == 0:
+            _write(args, results)
+        gc.collect()  # free every wrapper while the group still exists
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    text = "\n\n".join(report(m, d, args.rounds, args.repeat) for m, d in results.items())
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.md").write_text(text + "\n")
+    summary = {
+        m: {
+            "median_ms": {v: d["result"].median(v) * 1e3 for v in VARIANTS},
+            "ratio_to_torch": {v: d["result"].paired_ratio(v, "torch DDP") for v in VARIANTS},
+            "gradient_bytes": d["nbytes"],
+            "allreduce_alpha_ms": d["cost"].alpha_ms,
+            "allreduce_ms_per_mib": d["cost"].beta_ms_per_byte * 2**20,
+            "max_param_diff_to_torch": d["same"],
+        }
+        for m, d in results.items()
+    }
+    (out / "bench.json").write_text(json.dumps(summary, indent=1))
+    png = chart(results, out / "bench.png")
+    print(text)
+    print(f"\nwritten: {out / 'bench.md'}, {out / 'bench.json'}, {png}")
+    bad = {m: d["same"] for m, d in results.items() if max(d["same"].values()) > 1e-3}
+    if bad:
+        raise SystemExit(f"gradsync bench: variants ended with different parameters: {bad}")
+
+
+if __name__ == "__main__":
+    main()

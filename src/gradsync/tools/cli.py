@@ -1,0 +1,145 @@
+"""The `gradsync` command line: `demo` (the demo job on local ranks), `bench` (gradsync vs
+torch's DDP, side by side), `probe` (the process group measured, for the simulator) and
+`simulate` (step time at scale from a recorded profile).
+
+Ranks are started by torch's own launcher (`torch.distributed.run`), exactly as users start
+their training: nothing here manages processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+__all__ = ["main"]
+
+
+def _run_on_ranks(args: argparse.Namespace, rest: list[str]) -> int:
+    """demo, bench, probe: check the job's options once, then start it on local ranks."""
+    module_name, fewest, usage = _ON_RANKS[args.command]
+    module = importlib.import_module(module_name)
+    if args.help:
+        print(usage)
+        module.parse_args(["--help"])
+    if args.nproc < fewest:
+        raise SystemExit(f"gradsync {args.command}: --nproc must be at least {fewest}, got {args.nproc}")
+    module.parse_args(rest)  # bad values fail here, once, before any rank starts
+    return _launch(args.nproc, module_name, rest, args.command)
+
+
+def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    launcher = ["--standalone", f"--nproc-per-node={nproc}", "-m", module, *rest]
+    try:
+        torchrun.main(launcher)
+    except (KeyboardInterrupt, SignalException):
+        print(f"\ngradsync {what}: interrupted; torch's launcher stopped every rank", file=sys.stderr)
+        return 130
+    return 0
+
+
+DEMO_USAGE = """usage: gradsync demo [--nproc N] [job options]
+
+Launches N local ranks (default 2) with torch.distributed.run and trains the demo job on them.
+Job options, passed to every rank:"""
+
+_ON_RANKS = {  # command: (module run on every rank, fewest ranks, usage)
+    "demo": ("gradsync.tools.demo", 1, DEMO_USAGE),
+    "bench": ("gradsync.tools.benchsuite", 2, "usage: gradsync bench [--nproc N] [bench options]\n"),
+    "probe": ("gradsync.planning.probe", 1, "usage: gradsync probe [--nproc N] [probe options]\n"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser(
+        "demo", add_help=False,
+        help="train a digit classifier on local ranks and prove the synchronisation",
+    )
+    demo.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    demo.add_argument("-h", "--help", action="store_true")
+    bench = sub.add_parser(
+        "bench", add_help=False, help="gradsync vs torch's DDP on a benchmark set, side by side"
+    )
+    bench.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    bench.add_argument("-h", "--help", action="store_true")
+    probe = sub.add_parser(
+        "probe", add_help=False,
+        help="measure the process group (idle and under load) on local ranks, for simulate",
+    )
+    probe.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+    probe.add_argument("-h", "--help", action="store_true")
+    sim = sub.add_parser(
+        "simulate",
+        help="predict step time at 2..1024 ranks from a recorded timing profile",
+        description="Replay a recorded timing profile (DistributedDataParallel."
+        "save_timing_profile) over a modelled network: default, planned and no-overlap layouts.",
+    )
+    sim.add_argument("--profile", required=True, help="JSON written by save_timing_profile")
+    sim.add_argument("--bandwidth", type=float, default=12.5, help="GB/s per link (default 12.5)")
+    sim.add_argument("--latency", type=float, default=10.0, help="microseconds per hop (default 10)")
+    sim.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
+    sim.add_argument("--ranks", default="2,4,8,16,32,64,128,256,512,1024")
+    sim.add_argument("--ranks-per-host", type=int, default=1,
+                     help="ranks sharing one host (default 1)")
+    sim.add_argument("--cores-per-host", type=int, default=None,
+                     help="cores per host: with more ranks than cores, compute stretches (default: enough)")
+    sim.add_argument("--cpu-collectives", action="store_true",
+                     help="collectives run on the host's cores (gloo): on a saturated host they "
+                     "add to compute instead of overlapping it")
+    sim.add_argument("--load-probes", nargs="+", default=[], metavar="JSON",
+                     help="probes under load (gradsync probe, or planner.probe_under_load(...).save), one per "
+                     "rank count, the profile's included: on a saturated host they price the step")
+    sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
+    args, rest = parser.parse_known_args(argv)
+    if args.command in _ON_RANKS:
+        return _run_on_ranks(args, rest)
+    if rest:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    return _simulate(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from ..planning.planner import LoadProbe
+    from ..planning.simulate import Host, Network, Profile, markdown, plot, simulate
+
+    try:
+        ranks = [int(r) for r in args.ranks.split(",")]
+        if any(r < 1 for r in ranks):
+            raise ValueError
+    except ValueError:
+        raise SystemExit(f"gradsync simulate: --ranks must be positive integers, got {args.ranks!r}") from None
+    try:
+        profile = Profile.load(args.profile)
+        network = Network(args.bandwidth, args.latency, args.algorithm)
+        host = Host(args.ranks_per_host, args.cores_per_host, args.cpu_collectives)
+        loads = {probe.ranks: probe for probe in map(LoadProbe.load, args.load_probes)}
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"gradsync simulate: {error}") from None
+    if loads and not (args.cpu_collectives and args.cores_per_host):
+        raise SystemExit("gradsync simulate: --load-probes describe a host whose cores all run ranks, with "
+                         "CPU collectives: add --cpu-collectives and --cores-per-host")
+    if loads and profile.world_size not in loads:
+        raise SystemExit(f"gradsync simulate: no load probe at the profile's {profile.world_size} ranks "
+                         f"(have {sorted(loads)}): the stretch is measured relative to it")
+    predictions = simulate(profile, network, ranks, host, loads)
+    print(f"profile: forward {profile.forward_ms:.3f} ms, backward {profile.backward_ms:.3f} ms, "
+          f"{sum(profile.nbytes) / 2**20:.2f} MiB of gradients in {len(profile.nbytes)} tensors")
+    print(f"network: {network.bandwidth_gbps} GB/s, {network.latency_us} us, {network.algorithm}")
+    priced = [n for n in ranks if host.saturated(n) and n in loads]
+    if priced:
+        print(f"saturated host, priced from load probes at ranks {priced}")
+    print()
+    print(markdown(predictions))
+    print(f"\nplot: {plot(predictions, Path(args.out) / 'simulate.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Mixed precision for the wrapper, with the meaning of torch's `_MixedPrecision`.
+
+Parameters live in full precision. For each forward they are swapped for low-precision copies
+(`param_dtype`), so forward and backward compute in it; floating-point inputs are cast too. At the
+end of backward the full-precision parameters come back and gradients are float32 again. The
+Reducer buckets the low-precision gradients and sums them in `reduce_dtype` (divided by the world
+size first). Across `no_sync` micro-steps gradients are accumulated in full precision; the
+synchronised step's backward adds its own in `param_dtype` (autograd accumulates in the
+parameter's dtype), as torch's does for every step.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..engine.unused import find_tensors
+
+__all__ = ["MixedPrecisionParams"]
+
+
+class MixedPrecisionParams:
+    """Swaps a module's parameters between full and low precision around each iteration."""
+
+    def __init__(self, module: nn.Module, config: Any, ignored: set[str]) -> None:
+        self.param_dtype: torch.dtype | None = getattr(config, "param_dtype", None)
+        self.reduce_dtype: torch.dtype | None = getattr(config, "reduce_dtype", None) or self.param_dtype
+        self.buffer_dtype: torch.dtype | None = getattr(config, "buffer_dtype", None)
+        self.params = [p for n, p in module.named_parameters() if n not in ignored]
+        self._full: dict[int, torch.Tensor] = {}
+        self._stashed_grads: dict[int, torch.Tensor] = {}
+        self._restore_queued = False
+        if self.buffer_dtype is not None:
+            for name, buf in module.named_buffers():
+                if name not in ignored and buf.is_floating_point():
+                    buf.data = buf.to(self.buffer_dtype)
+
+    def cast_down(self, sync: bool) -> None:
+        """Before forward: low-precision parameters; on unsynchronised steps, set the
+        full-precision gradient aside, to add this step's gradient to it in float32 later."""
+        if self.param_dtype is None:
+            return
+        self._restore_queued = False
+        for p in self.params:
+            if id(p) in self._full:  # a forward never followed by backward
+                continue
+            self._full[id(p)] = p.data
+            grad = p.grad
+            p.grad = None
+            p.data = p.data.to(self.param_dtype)
+            if grad is not None:
+                if sync:  # the reducer must see the whole accumulated gradient
+                    p.grad = grad.to(self.param_dtype)
+                else:
+                    self._stashed_grads[id(p)] = grad
+
+    def cast_inputs(self, obj: Any) -> Any:
+        if self.param_dtype is None:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return obj.to(self.param_dtype) if obj.is_floating_point() else obj
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.cast_inputs(o) for o in obj)
+        if isinstance(obj, dict):
+            return {k: self.cast_inputs(v) for k, v in obj.items()}
+        return obj
+
+    def restore_after_backward(self, output: Any) -> None:
+        """Arrange for `restore` to run at the end of the backward through `output` (or now)."""
+        if self.param_dtype is None:
+            return
+        nodes = [t.grad_fn for t in find_tensors(output) if t.grad_fn is not None]
+        if not torch.is_grad_enabled() or not nodes:
+            self.restore()
+            return
+        me = weakref.ref(self)
+        for node in nodes:
+            # Runs when backward reaches the outputs, i.e. in the outermost backward, so the
+            # callback it queues comes after everything, reentrant passes included, and
+            # before the Reducer's own end-of-backward work, which it queues later.
+            node.register_prehook(functools.partial(_queue_restore, me))
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for p in self.params:
+                full = self._full.pop(id(p), None)
+                if full is None:
+                    continue
+                grad = p.grad
+                p.grad = None
+                p.data = full
+                stashed = self._stashed_grads.pop(id(p), None)
+                if grad is not None:
+                    grad = grad.to(full.dtype)
+                    p.grad = grad if stashed is None else stashed.add_(grad)
+                elif stashed is not None:
+                    p.grad = stashed
+
+
+def _queue_restore(me: weakref.ref[MixedPrecisionParams], _grads: object) -> None:
+    live = me()
+    if live is not None and not live._restore_queued:
+        live._restore_queued = True
+        torch.autograd.Variable._execution_engine.queue_callback(live.restore)

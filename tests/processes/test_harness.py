@@ -1,0 +1,115 @@
+"""The multi-rank harness itself: results come back by rank, a rank's exception surfaces with
+its rank number, and a deadlock fails within the timeout without leaving anything behind."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from gradsync.testing import RankError, RankTimeoutError, run_processes, run_threaded, run_torchrun
+
+
+def _allreduce_rank(rank, group):
+    t = torch.tensor([float(rank + 1)])
+    group.allreduce([t]).wait()
+    return t.item()
+
+
+@pytest.mark.threaded
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_threaded_allreduce_returns_results_by_rank(world_size):
+    total = world_size * (world_size + 1) / 2
+    assert run_threaded(_allreduce_rank, world_size) == [total] * world_size
+
+
+def test_threaded_exception_on_rank_1_names_rank_1():
+    def body(rank, group):
+        if rank == 1:
+            raise ValueError("boom on one rank")
+        return rank
+
+    with pytest.raises(RankError, match="rank 1 raised.*ValueError: boom on one rank") as info:
+        run_threaded(body, 2)
+    assert info.value.rank == 1
+
+
+def test_threaded_deadlock_fails_within_the_timeout():
+    def body(rank, group):
+        if rank == 0:  # rank 1 never joins the collective
+            group.allreduce([torch.zeros(1)]).wait()
+
+    start = time.monotonic()
+    with pytest.raises((RankTimeoutError, RankError)):
+        run_threaded(body, 2, timeout=2)
+    assert time.monotonic() - start < 10
+
+
+def _process_body(rank, group, mode):
+    if mode == "raise" and rank == 1:
+        raise KeyError("process rank failed")
+    if mode == "hang" and rank == 0:
+        group.allreduce([torch.zeros(1)]).wait()
+        time.sleep(600)
+    return _allreduce_rank(rank, group) if mode == "ok" else os.getpid()
+
+
+def test_processes_return_results_by_rank():
+    assert run_processes(_process_body, 2, "ok", timeout=60) == [3.0, 3.0]
+
+
+def test_process_exception_names_its_rank():
+    with pytest.raises(RankError, match="rank 1 raised.*KeyError"):
+        run_processes(_process_body, 2, "raise", timeout=60)
+
+
+def test_process_deadlock_fails_and_leaves_no_process_behind():
+    import multiprocessing
+
+    start = time.monotonic()
+    with pytest.raises((RankTimeoutError, RankError)):
+        run_processes(_process_body, 2, "hang", timeout=15)
+    assert time.monotonic() - start < 40
+    assert multiprocessing.active_children() == []
+
+
+def test_torchrun_runs_a_script_on_two_ranks(tmp_path):
+    script = tmp_path / "hello.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        print(f"rank {dist.get_rank()} sum {t.item():.0f}", flush=True)
+        dist.destroy_process_group()
+    """))
+    result = run_torchrun(str(script), 2, timeout=90)
+    assert result.returncode == 0, result.stdout
+    assert "rank 0 sum 3" in result.stdout and "rank 1 sum 3" in result.stdout
+
+
+def test_torchrun_timeout_kills_the_whole_launch(tmp_path):
+    script = tmp_path / "sleep.py"
+    script.write_text("import time\nprint('started', flush=True)\ntime.sleep(600)\n")
+    start = time.monotonic()
+    with pytest.raises(RankTimeoutError, match="did not finish"):
+        run_torchrun(str(script), 2, timeout=15)
+    assert time.monotonic() - start < 30
+    # No worker of that launch survives: none of our children still runs the script.
+    assert str(script) not in os.popen("ps -eo args").read()
+    assert sys.executable
+
+
+def test_init_process_group_keeps_restart_attempts_apart():
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "..", "scripts", "launch_prefix.py")
+    done = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    # Each attempt starts from an empty view, although the first left its key behind.
+    assert "seen before writing, per attempt: [False, False]" in done.stdout, done.stdout

@@ -1,0 +1,86 @@
+"""The engine's units on their own, without a process group: a bucket filling and writing back,
+the static graph's counts, the reports' encoding (see also test_reliability), the phases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.engine.bucket import Bucket
+from gradsync.engine.reducer import Phase
+from gradsync.engine.static_graph import StaticGraph
+
+
+def _params(*shapes):
+    return [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+
+
+def test_fill_divides_while_copying_and_zeros_what_has_no_gradient():
+    params = _params((2, 3), (4,), (70_000,))  # the last one is scaled while copied
+    params[0].grad = torch.full((2, 3), 6.0)
+    params[2].grad = torch.full((70_000,), 3.0)
+    bucket = Bucket(0, [0, 1, 2], params)
+    bucket.fill(divisor=3, as_view=False)
+    assert torch.equal(bucket.views[0], torch.full((2, 3), 2.0))
+    assert torch.equal(bucket.views[1], torch.zeros(4))
+    assert torch.equal(bucket.views[2], torch.ones(70_000))
+    assert params[0].grad[0, 0] == 6.0  # the gradient itself is left alone
+
+
+def test_fill_without_divisor_copies_for_a_hook_and_views_become_grads():
+    params = _params((3,), (2,))
+    params[0].grad = torch.tensor([1.0, 2.0, 3.0])
+    bucket = Bucket(0, [0, 1], params)
+    bucket.fill(divisor=0, as_view=True)
+    assert torch.equal(bucket.buffer, torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0]))
+    assert params[0].grad.data_ptr() == bucket.views[0].data_ptr()  # now a view of the bucket
+    assert params[1].grad is None  # no gradient: not made one
+    bucket.fill(divisor=2, as_view=True)  # a view already: divided in place
+    assert torch.equal(params[0].grad, torch.tensor([0.5, 1.0, 1.5]))
+
+
+def test_write_back_leaves_parameters_unused_everywhere_untouched():
+    params = _params((2,), (2,), (2,))
+    params[1].grad = torch.tensor([9.0, 9.0])
+    bucket = Bucket(0, [0, 1, 2], params)
+    bucket.buffer.copy_(torch.arange(6.0))
+    bucket.write_back(used=[1, 1, 0], as_view=False)
+    assert torch.equal(params[0].grad, torch.tensor([0.0, 1.0]))  # had none: a copy
+    assert torch.equal(params[1].grad, torch.tensor([2.0, 3.0]))  # written into its own tensor
+    assert params[2].grad is None  # unused on every rank: as torch leaves it
+    bucket.write_back(used=None, as_view=True)
+    assert params[2].grad.data_ptr() == bucket.views[2].data_ptr()
+
+
+def test_write_back_casts_a_payload_of_another_dtype():
+    params = _params((3,))
+    bucket = Bucket(0, [0], params, dtype=torch.bfloat16)
+    bucket.launch_payload(torch.float32, divisor=2)
+    bucket.payload.copy_(torch.tensor([1.0, 2.0, 3.0]))
+    bucket.write_back(used=None, as_view=False)
+    assert params[0].grad.dtype == torch.float32 and torch.equal(params[0].grad, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_bucket_carries_a_tail_after_its_gradients():
+    bucket = Bucket(0, [0, 1], _params((2,), (3,)), tail=4)
+    assert bucket.buffer.numel() == 5 and bucket.tail.numel() == 4 and bucket.wire.numel() == 9
+    assert bucket.tail.data_ptr() == bucket.wire.data_ptr() + 5 * 4
+
+
+def test_static_graph_learns_counts_then_marks_on_the_last_firing():
+    graph = StaticGraph(3)
+    graph.start_iteration()
+    assert graph.learning and not graph.learned
+    for index in (0, 1, 0):  # parameter 0 fires twice (a reentrant checkpoint), 2 never
+        assert not graph.fire(index)
+    assert graph.learn() == [2]
+    graph.start_iteration()
+    assert not graph.learning
+    assert graph.fire(0) is False and graph.fire(1) is True and graph.fire(0) is True
+    assert graph.settle_used_map([2, 2, 0]) == [2, 2, 0]
+    assert graph.settle_used_map([1, 1, 1]) == [2, 2, 0]  # the first iteration's holds
+
+
+@pytest.mark.parametrize("phase", list(Phase))
+def test_phases_have_names(phase):
+    assert phase.value == phase.name.lower()

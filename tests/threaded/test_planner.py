@@ -1,0 +1,286 @@
+"""Pure tests of the bucket planner and the cost-model fit: known optima, and the dynamic
+programme against brute force on small random cases."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync.planning.planner import CostModel, fit_cost_model, plan_buckets, predict_finish_ms
+
+
+@pytest.mark.pure
+def test_fit_recovers_a_line():
+    sizes = [1e3, 1e4, 1e5, 1e6]
+    model = fit_cost_model(sizes, [0.05 + 2e-6 * s for s in sizes])
+    assert model.alpha_ms == pytest.approx(0.05) and model.beta_ms_per_byte == pytest.approx(2e-6)
+
+
+@pytest.mark.pure
+def test_fit_keeps_the_line_physical():
+    model = fit_cost_model([1e3, 1e6], [5.0, 1.0])  # a noisy probe with falling times
+    assert model.beta_ms_per_byte == 0.0 and model.alpha_ms >= 0.0
+    with pytest.raises(ValueError, match="at least two"):
+        fit_cost_model([1.0], [1.0])
+
+
+@pytest.mark.pure
+def test_latency_bound_communication_gets_one_bucket():
+    # Each all-reduce costs 10 ms whatever its size; gradients arrive within 1 ms.
+    cost = CostModel(alpha_ms=10.0, beta_ms_per_byte=0.0)
+    assert plan_buckets([0.1 * i for i in range(10)], [1000] * 10, cost) == [list(range(10))]
+
+
+@pytest.mark.pure
+def test_bandwidth_bound_overlap_leaves_only_the_last_gradient_exposed():
+    # No latency: sending early is free, so everything ready early goes early, and the last
+    # bucket holds only what arrives last.
+    cost = CostModel(alpha_ms=0.0, beta_ms_per_byte=1e-3)
+    ready = [10.0 * i for i in range(6)]
+    plan = plan_buckets(ready, [1000] * 6, cost)
+    assert plan[-1] == [5]
+    assert predict_finish_ms(ready, [1000] * 6, plan, cost) == pytest.approx(51.0)
+
+
+@pytest.mark.pure
+def test_one_huge_late_gradient_many_tiny_early_ones():
+    cost = CostModel(alpha_ms=1.0, beta_ms_per_byte=1e-6)
+    ready = [0.01 * i for i in range(50)] + [20.0]
+    sizes = [100] * 50 + [50_000_000]
+    plan = plan_buckets(ready, sizes, cost)
+    assert plan == [list(range(50)), [50]]
+
+
+@pytest.mark.pure
+def test_groups_are_never_mixed():
+    cost = CostModel(alpha_ms=10.0, beta_ms_per_byte=0.0)
+    plan = plan_buckets([0, 1, 2, 3], [10] * 4, cost, groups=["f32", "f32", "f16", "f32"])
+    assert plan == [[0, 1], [2], [3]]
+
+
+@pytest.mark.pure
+def test_bad_input_is_refused():
+    cost = CostModel(1.0, 0.0)
+    with pytest.raises(ValueError, match="ready order"):
+        plan_buckets([2.0, 1.0], [1, 1], cost)
+    with pytest.raises(ValueError, match="no gradients"):
+        plan_buckets([], [], cost)
+
+
+def _brute_force(ready, sizes, cost):
+    n = len(ready)
+    best = float("inf")
+    for mask in itertools.product([False, True], repeat=n - 1):
+        cuts = [0] + [i + 1 for i, cut in enumerate(mask) if cut] + [n]
+        buckets = [list(range(a, b)) for a, b in zip(cuts, cuts[1:])]
+        best = min(best, predict_finish_ms(ready, sizes, buckets, cost))
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.floats(0, 50), min_size=1, max_size=8),
+    st.lists(st.integers(1, 10_000), min_size=8, max_size=8),
+    st.floats(0, 5),
+    st.floats(0, 1e-3),
+)
+@pytest.mark.pure
+def test_plan_is_optimal_against_brute_force(ready, sizes, alpha, beta):
+    ready = sorted(ready)
+    sizes = sizes[: len(ready)]
+    cost = CostModel(alpha, beta)
+    plan = plan_buckets(ready, sizes, cost)
+    assert sorted(i for b in plan for i in b) == list(range(len(ready)))
+    assert predict_finish_ms(ready, sizes, plan, cost) == pytest.approx(_brute_force(ready, sizes, cost))
+
+
+@pytest.mark.pure
+def test_many_gradients_are_merged_into_atoms_and_planned_quickly():
+    import time
+
+    n = 3000
+    start = time.perf_counter()
+    plan = plan_buckets([i * 0.001 for i in range(n)], [4096] * n, CostModel(0.1, 1e-6))
+    assert time.perf_counter() - start < 10
+    assert sorted(i for b in plan for i in b) == list(range(n))
+
+
+# ------------------------------------------------------------------ on real groups
+
+
+STEPS = 52  # 3 to measure, then the trial: 4 rounds of up to 4 layouts x 3 iterations, then decided
+
+
+def _auto_vs_torch(rank, group, model_name, saturated=None):
+    import torch
+    from models import make_batches
+    from parity import train_wrapper
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    from gradsync import DistributedDataParallel as GradsyncDDP
+
+    batches = make_batches(STEPS, group.size())
+    plans = []
+
+    class Recording(GradsyncDDP):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self._auto.saturated = saturated
+
+        def forward(self, *a, **k):
+            out = super().forward(*a, **k)
+            plans.append(self.bucket_plan())
+            self.last_layout = self.reducer.bucket_indices
+            return out
+
+    ours = train_wrapper(Recording, rank, group, model_name, batches, bucket_cap_mb="auto")
+    theirs = train_wrapper(TorchDDP, rank, group, model_name, batches)
+    assert torch.is_tensor(batches[0])
+    return ours, theirs, plans[-1], [p is None for p in plans]
+
+
+@pytest.mark.parametrize("model_name", ["mlp", "many_small"])
+def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
+    from parity import assert_records_equal
+
+    from gradsync.testing import run_threaded
+
+    results = run_threaded(_auto_vs_torch, 2, model_name, False, timeout=120)  # free cores: overlap
+    (ours0, theirs0, plan0, none0), (ours1, _, plan1, _) = results
+    assert not plan0.saturated
+    assert none0 == [True] * 3 + [False] * (STEPS - 3)  # planned before the 4th iteration's backward
+    assert plan0.kept is not None and plan0.chosen == plan1.chosen  # the trial decided, alike
+    assert plan0.layout == plan1.layout  # the same on every rank
+    assert plan0.cost == plan1.cost
+    assert plan0.predicted_finish_ms <= plan0.default_finish_ms + 1e-9
+    assert sorted(i for b in plan0.layout for i in b) == list(range(len(ours0["params"])))
+    for ours, theirs in [(ours0, theirs0), (ours1, results[1][1])]:
+        assert_records_equal(ours, theirs, exact=True, what="auto vs torch")
+
+
+def test_on_a_saturated_cpu_host_the_plan_is_one_bucket_priced_under_load():
+    from parity import assert_records_equal
+
+    from gradsync.testing import run_threaded
+
+    results = run_threaded(_auto_vs_torch, 2, "mlp", True, timeout=120)
+    (ours0, theirs0, plan0, _), (ours1, theirs1, plan1, _) = results
+    assert plan0.saturated and plan0 == plan1  # probed, planned and decided alike
+    assert len(plan0.layout) == 1 and sorted(plan0.layout[0]) == list(range(len(ours0["params"])))
+    assert "under load (saturated CPU host)" in str(plan0)
+    # Priced serially: every all-reduce adds to backward, so one bucket is predicted best.
+    assert plan0.predicted_finish_ms <= plan0.default_finish_ms + 1e-9
+    for ours, theirs in [(ours0, theirs0), (ours1, theirs1)]:
+        assert_records_equal(ours, theirs, exact=True, what="auto (saturated) vs torch")
+
+
+def test_a_saturated_host_is_detected_from_its_ranks_threads_and_cores(monkeypatch):
+    import os
+
+    import torch
+
+    from gradsync import Reducer
+    from gradsync.planning.autoplan import AutoBuckets
+    from gradsync.testing import run_threaded
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def body(rank, group, cores):
+        monkeypatch.setattr(os, "cpu_count", lambda: cores)
+        reducer = Reducer([torch.nn.Parameter(torch.ones(3))], [[0]], group)
+        return AutoBuckets()._host_saturated(reducer)
+
+    assert torch.get_num_threads() == 1  # conftest
+    assert run_threaded(body, 2, 4) == [True, True]  # 4 ranks x 1 thread on 4 cores
+    assert run_threaded(body, 2, 8) == [False, False]
+    # Without torchrun (mp.spawn, or these threads): the ranks sharing this host's name count.
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert run_threaded(body, 2, 2) == [True, True]  # 2 ranks here x 1 thread on 2 cores
+    assert run_threaded(body, 2, 3) == [False, False]
+
+
+def _forced_revert(rank, group):
+    import torch
+
+    from gradsync import DistributedDataParallel as GradsyncDDP
+    from gradsync.testing import seeded
+
+    def wide():  # 1 MiB weights: torch's layout has several buckets, so "one bucket" differs
+        return torch.nn.Sequential(*[torch.nn.Linear(8 if i == 0 else 512, 512) for i in range(3)])
+
+    ddp = GradsyncDDP(seeded(wide, 0), process_group=group, bucket_cap_mb="auto")
+    ddp._auto.rounds, ddp._auto.per_slot = 1, 1
+    ddp._auto.margin = 10.0  # no candidate can be faster enough: the current layout stays
+    layouts = []
+    for _ in range(8):
+        ddp(torch.ones(4, 8)).sum().backward()
+        layouts.append(ddp.reducer.bucket_indices)
+    return ddp.bucket_plan(), layouts
+
+
+def test_a_plan_measured_slower_is_reverted_on_every_rank():
+    from gradsync.testing import run_threaded
+
+    (plan0, layouts0), (plan1, layouts1) = run_threaded(_forced_revert, 2)
+    assert plan0.kept is False and plan1.kept is False
+    assert plan0.trial_ms == plan1.trial_ms  # agreed, so decided alike
+    assert "current" in plan0.trial_ms and len(plan0.trial_ms) >= 2  # another layout was tried
+    assert layouts0 == layouts1
+    # The trial ran each candidate for one iteration, then went back to the current layout.
+    tried = layouts0[3 : 3 + len(plan0.trial_ms)]
+    assert any(layout != plan0.previous_layout for layout in tried)
+    assert layouts0[-1] == plan0.previous_layout
+    assert "reverted" in str(plan0)
+
+
+def _drifting(rank, group):
+    import torch
+    from models import MODELS
+
+    from gradsync import DistributedDataParallel as GradsyncDDP
+    from gradsync.testing import seeded
+
+    ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+    auto = ddp._auto
+    auto.rounds, auto.per_slot, auto.drift_every, auto.max_replans = 1, 1, 2, 2
+    auto.drift = -1.0  # any change counts as drift
+    replans = []
+    for _ in range(30):
+        ddp(torch.ones(4, 8)).sum().backward()
+        replans.append(ddp.bucket_plan().replans if ddp.bucket_plan() else None)
+    return replans, ddp.bucket_plan(), ddp.reducer.bucket_indices
+
+
+def test_drifting_timings_replan_identically_on_every_rank_at_most_max_replans_times():
+    from gradsync.testing import run_threaded
+
+    (replans0, plan0, layout0), (replans1, plan1, layout1) = run_threaded(_drifting, 2)
+    assert replans0 == replans1 and layout0 == layout1
+    assert plan0.replans == 2 and plan0.kept is not None  # planned 3 times in all, then settled
+    assert sorted(set(r for r in replans0 if r is not None)) == [0, 1, 2]
+
+
+def test_forward_without_backward_during_the_trial_repeats_the_slot():
+    from gradsync.testing import run_threaded
+
+    def body(rank, group):
+        import torch
+        from models import MODELS
+
+        from gradsync import DistributedDataParallel as GradsyncDDP
+        from gradsync.testing import seeded
+
+        ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+        ddp._auto.rounds, ddp._auto.per_slot = 1, 1
+        for step in range(12):
+            out = ddp(torch.ones(4, 8))
+            if step != 4:  # a forward whose output is never backpropagated, mid-trial
+                out.sum().backward()
+        return ddp.bucket_plan()
+
+    plan0, plan1 = run_threaded(body, 2)
+    assert plan0.kept is not None and plan0.trial_ms == plan1.trial_ms
+    assert all(ms > 0 for ms in plan0.trial_ms.values())
