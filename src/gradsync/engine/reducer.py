@@ -69,6 +69,10 @@ class Phase(enum.Enum):
     REDUCED = "reduced"  # written back; a gradient now is a late one (until the next forward)
 
 
+# The hot path compares against module constants (a global lookup, not an attribute of Phase).
+_PREPARED, _BACKWARD, _LAUNCHED, _REDUCED = Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED, Phase.REDUCED
+
+
 class Reducer:
     """Synchronise the gradients of `params` over `process_group`, one bucket at a time.
 
@@ -292,12 +296,13 @@ class Reducer:
         phase = self.phase
         if self._find_unused and param.grad is not None:
             self._used.local[index] = 1  # without a gradient (an output left out) it is unused
-        if phase is Phase.IDLE or phase is Phase.REDUCED:
-            if phase is Phase.REDUCED and self._marked[index]:
-                raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
-            return
-        if phase is Phase.PREPARED:
-            self.phase = Phase.BACKWARD
+        if phase is not _BACKWARD:  # the common case first: one comparison
+            if phase is _PREPARED:
+                self.phase = _BACKWARD
+            elif phase is not _LAUNCHED:  # idle or reduced: not ours to count
+                if phase is _REDUCED and self._marked[index]:
+                    raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
+                return
         static = self._static
         if static is not None and not static.fire(index):
             if static.learning:
@@ -380,7 +385,7 @@ class Reducer:
             )
         if self._chain is not None:
             self._chain.release(self._next_bucket)
-        if self._next_bucket == len(buckets) and self.phase is Phase.BACKWARD:
+        if self._next_bucket == len(buckets) and self.phase is _BACKWARD:
             self._all_launched()
 
     def _all_launched(self) -> None:
