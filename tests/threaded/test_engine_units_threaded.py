@@ -93,3 +93,34 @@ def test_the_reducer_walks_its_phases_in_order():
     for seen, during in run_threaded(body, 2):
         assert seen == [Phase.IDLE, Phase.PREPARED, Phase.REDUCED, Phase.IDLE]
         assert during == [Phase.BACKWARD, Phase.LAUNCHED]  # the second gradient fills the bucket
+
+
+def test_a_reduce_scatter_bucket_leaves_each_rank_its_shard_of_the_sum():
+    # The seam for sharded optimizers: same filling, another collective.
+    from gradsync.engine.bucket import Bucket
+
+    def body(rank, group):
+        params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
+        for i, p in enumerate(params):
+            p.grad = torch.arange(p.numel(), dtype=torch.float32) + 10 * i + rank
+        bucket = Bucket(0, [0, 1], params, collective="reduce_scatter", world_size=2, rank=rank)
+        bucket.fill(divisor=2, as_view=False)
+        bucket.start(group, bucket.wire).wait()
+        return bucket.shard.tolist(), bucket.shard_offset, bucket.wire.numel()
+
+    (s0, o0, n), (s1, o1, _) = run_threaded(body, 2)
+    # rank r's buffer: [r, 1+r, 2+r, 10+r, 11+r] (+ one element of padding); averaged: +0.5
+    assert n == 6 and (o0, o1) == (0, 3)
+    assert s0 == [0.5, 1.5, 2.5] and s1 == [10.5, 11.5, 0.0]
+
+
+def test_bucket_collectives_are_checked():
+    import pytest
+
+    from gradsync.engine.bucket import Bucket
+
+    params = [torch.nn.Parameter(torch.zeros(3))]
+    with pytest.raises(ValueError, match="collective='broadcast'"):
+        Bucket(0, [0], params, collective="broadcast")
+    with pytest.raises(ValueError, match="no tail"):
+        Bucket(0, [0], params, collective="reduce_scatter", tail=2, world_size=2)

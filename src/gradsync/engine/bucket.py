@@ -1,8 +1,13 @@
 """A bucket: one flat, contiguous gradient buffer and the parameters whose gradients live in it.
 
 Layered nouns: the buffer owns the memory; each parameter gets a view of it with the parameter's
-shape (and strides, for channels-last tensors), at its offset. The Reducer copies gradients in
-(or lets `.grad` be the view), reduces the buffer as one tensor, and copies results out.
+shape (and strides, for channels-last tensors), at its offset. The bucket fills itself with the
+gradients (or lets `.grad` be the view), starts its collective, and writes the results back.
+
+Its collective is an all-reduce (every rank gets the whole sum: data-parallel training) or a
+reduce-scatter (each rank gets only its `shard` of the sum: the seam for sharded optimizers; the
+buffer is then padded to a multiple of the world size, and what a rank does with its shard is
+the optimizer's business, not `write_back`'s).
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket"]
+__all__ = ["COLLECTIVES", "FUSED_COPY_MIN_NUMEL", "Bucket"]
+
+COLLECTIVES = ("all_reduce", "reduce_scatter")
 
 # Gradients at least this large are scaled while copied into their bucket, one pass each;
 # smaller ones are copied in one batched call and scaled with the whole buffer.
@@ -32,8 +39,16 @@ class Bucket:
         sparse: bool = False,
         dtype: torch.dtype | None = None,
         tail: int = 0,
+        collective: str = "all_reduce",
+        world_size: int = 1,
+        rank: int = 0,
     ):
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
+        if collective == "reduce_scatter" and (sparse or tail):
+            raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail")
         self.index = index
+        self.collective = collective
         self.param_indices = list(param_indices)
         self.params = [params[i] for i in self.param_indices]
         # A parameter with a sparse gradient has a bucket of its own and no flat buffer: the
@@ -52,9 +67,14 @@ class Bucket:
         numel = sum(self.lengths)
         # `wire` is what an all-reduce can send: the gradients (`buffer`) plus `tail` extra
         # elements after them, where the Reducer lets small per-rank counts ride along.
-        self.wire = torch.zeros(numel + tail, dtype=dtype or first.dtype, device=first.device)
-        self.buffer = self.wire.narrow(0, 0, numel) if tail else self.wire
+        padded = -(-numel // world_size) * world_size if collective == "reduce_scatter" else numel
+        self.wire = torch.zeros(max(padded, numel + tail), dtype=dtype or first.dtype, device=first.device)
+        self.buffer = self.wire.narrow(0, 0, numel) if self.wire.numel() != numel else self.wire
         self.tail = self.wire.narrow(0, numel, tail) if tail else None
+        # A reduce-scatter's result: this rank's slice of the summed (padded) buffer.
+        chunk = self.wire.numel() // world_size if collective == "reduce_scatter" else 0
+        self.shard = torch.empty(chunk, dtype=self.wire.dtype, device=self.wire.device)
+        self.shard_offset = rank * chunk
         self.views = [
             _view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
         ] if not sparse else []
@@ -139,6 +159,8 @@ class Bucket:
         if self.sparse:
             self.params[0].grad = self.sparse_grad if self.work is None else self.work.result()[0]
             return
+        if self.collective == "reduce_scatter":
+            raise NotImplementedError("a reduce-scatter bucket's result is its shard, for a sharded optimizer")
         keep = [used is None or bool(used[i]) for i in self.param_indices]
         if self.payload is not self.buffer:  # another dtype (mixed precision): cast each
             self._write_back_cast(keep)
@@ -168,6 +190,14 @@ class Bucket:
                 param.grad = value.to(param.dtype, copy=True)
             else:
                 param.grad.copy_(value)
+
+    def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
+        """Start this bucket's collective on `wire` (the payload, or buffer and tail)."""
+        if self.collective == "reduce_scatter":
+            self.work = group._reduce_scatter_base(self.shard, self.wire, torch.distributed.ReduceScatterOptions())
+        else:
+            self.work = group.allreduce([wire])
+        return self.work
 
     def fill_sparse(self, divisor: int) -> bool:
         """Take the sparse gradient, divided by `divisor`; False if there is none to take."""

@@ -24,7 +24,7 @@ from .timeline import EventKind
 
 LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
 
-__all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "hook_name"]
+__all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "check_registration", "hook_name"]
 
 # A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
 CommHook = Callable[[Any, Any], torch.futures.Future]
@@ -90,6 +90,23 @@ def check_hook(hook: object) -> None:
             "arguments, (state, bucket), and return a torch.futures.Future of the reduced "
             "bucket tensor"
         )
+
+
+def check_registration(current: tuple[object, CommHook] | None, hook: object, iterations: int, mixed: bool) -> None:
+    """Refuse a registration torch's DDP refuses too (twice, late), or that cannot work yet."""
+    if current is not None:
+        raise RuntimeError(
+            f"register_comm_hook can be called only once; {hook_name(current[1])} "
+            f"is already registered (tried to add {hook_name(hook)})"  # type: ignore[arg-type]
+        )
+    if iterations > 0:
+        raise RuntimeError(
+            f"register_comm_hook must be called before the first forward/backward; "
+            f"{iterations} iteration(s) have already run with the default all-reduce"
+        )
+    if mixed:
+        raise NotImplementedError("gradsync: communication hooks with mixed precision are not supported yet")
+    check_hook(hook)
 
 
 class HookChain:

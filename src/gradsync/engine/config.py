@@ -76,6 +76,10 @@ class ReducerConfig:
     clock: Callable[[], int] = time.perf_counter_ns
     """Where timeline times come from, in nanoseconds."""
 
+    def casts_to_reduce(self, param_dtype: torch.dtype) -> bool:
+        """Whether buckets are cast to another dtype to be reduced (mixed precision)."""
+        return self.reduce_dtype is not None and self.reduce_dtype != (self.bucket_dtype or param_dtype)
+
     def __post_init__(self) -> None:
         limits = self.rebuild_bucket_size_limits
         if limits is not None and (len(limits) == 0 or any(int(x) < 0 for x in limits)):

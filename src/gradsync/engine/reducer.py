@@ -32,20 +32,18 @@ import torch
 import torch.distributed as dist
 
 from . import layout as layouts
+from . import missing, static_graph
 from .accumulation import Reports, uneven
 from .bucket import Bucket
 from .bucketing import validate_bucket_indices
 from .checks import check_finite
-from .collectives import all_gather_objects
-from .comm import CommHook, HookChain, check_hook, hook_name
+from .comm import CommHook, HookChain, check_registration
 from .config import RUNTIME_FIELDS, ReducerConfig
 from .errors import (
     GradSyncError,
     format_names,
     marked_twice_message,
-    missing_gradients_message,
     uneven_accumulation_message,
-    unfinished_reduction_message,
 )
 from .profiling import profiled as _profiled
 from .static_graph import StaticGraph
@@ -107,10 +105,7 @@ class Reducer:
         # per-iteration stats through one at GRADSYNC_DEBUG=DETAIL).
         self.iteration_listeners: list[Callable[[int, IterationTimeline], None]] = []
         self.history: deque[IterationTimeline] = deque(maxlen=self.config.history)
-        reduce_dtype = self.config.reduce_dtype
-        self._scale_at_launch = reduce_dtype is not None and reduce_dtype != (
-            self.config.bucket_dtype or self.params[0].dtype
-        )
+        self._scale_at_launch = self.config.casts_to_reduce(self.params[0].dtype)
         self.buckets: list[Bucket] = []
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
@@ -122,15 +117,7 @@ class Reducer:
         self._chain: HookChain | None = None
         self.phase = Phase.IDLE
         self._start_state()
-        # The hooks hold the reducer weakly: parameters outlive wrappers (a module can be
-        # wrapped again), and a reducer kept alive by its own hooks would keep its process group
-        # alive until the interpreter tears it down at exit.
-        me = weakref.ref(self)
-        handles = [
-            p.register_post_accumulate_grad_hook(functools.partial(_dispatch_hook, me, i))
-            for i, p in enumerate(self.params)
-        ]
-        weakref.finalize(self, _remove_handles, handles)
+        _attach_hooks(self)
 
     # ----------------------------------------------------------------------------- layout
 
@@ -271,17 +258,10 @@ class Reducer:
     def _check_prior_reduction_finished(self) -> None:
         # Reached only where the end of backward could not be seen (forward returned no
         # tensor, or the loss did not come from its outputs): report the missing gradients now.
-        if self.phase not in (Phase.BACKWARD, Phase.LAUNCHED):
-            return
-        missing = [self.names[i] for i, done in enumerate(self._marked) if not done]
-        iteration = self.iteration
-        self._abandon_iteration()
-        message = unfinished_reduction_message(missing, self.rank, self._find_unused, iteration)
-        if self._waits.monitor is not None:  # what the other ranks reported, if they got here first
-            others = self._waits.monitor.publish_missing(iteration, missing)
-            for rank, names in sorted(others.items()):
-                message += f"\nRank {rank} reported {len(names)} missing: {format_names(names)}"
-        raise GradSyncError(message)
+        if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            error = missing.unfinished_iteration_error(self)
+            self._abandon_iteration()
+            raise error
 
     def _abandon_iteration(self) -> None:
         """Drop a broken iteration so the reducer can be used again after the error."""
@@ -306,7 +286,7 @@ class Reducer:
         static = self._static
         if static is not None and not static.fire(index):
             if static.learning:
-                self._learn_fire(index, param)
+                static_graph.learning_fire(self, index, param)
             return
         if self._marked[index]:
             cause = "unused" if index in self._unused else "repeat"
@@ -314,15 +294,6 @@ class Reducer:
         if self._unused_pending:
             self._mark_unused()
         self._mark(index, EventKind.READY)
-
-    def _learn_fire(self, index: int, param: torch.Tensor) -> None:
-        """A hook in the first static-graph iteration: counted, reduced at its very end."""
-        if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
-            self._used.local[index] = 1
-        if self._static is not None and self._static.fires[index] == 1:
-            self._timeline.events.append((self._clock(), EventKind.READY, index))
-        if not self._watching and not self._end_queued:  # no outputs seen: best effort
-            self._queue_end_of_backward()
 
     def _mark_unused(self) -> None:
         # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
@@ -379,8 +350,8 @@ class Reducer:
                 self._reports.attach(bucket.tail, self._micro_steps, bool(self._missing))
                 wire = bucket.wire
             with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
-                bucket.work = self.process_group.allreduce([wire])
-            bucket.work.get_future().add_done_callback(
+                work = bucket.start(self.process_group, wire)
+            work.get_future().add_done_callback(
                 functools.partial(_record_completion, events, self._clock, bucket.index)
             )
         if self._chain is not None:
@@ -408,7 +379,7 @@ class Reducer:
         if self.phase is not Phase.BACKWARD and self.phase is not Phase.LAUNCHED:
             return  # finished already
         if self._static is not None and self._static.learning:
-            self._finish_first_static()
+            static_graph.finish_first_iteration(self)
             return
         if self.phase is Phase.BACKWARD:
             self._complete_missing()
@@ -424,20 +395,6 @@ class Reducer:
         self._missing = [i for i, done in enumerate(self._marked) if not done]
         for index in self._missing:
             self._mark(index, EventKind.UNUSED)
-
-    def _finish_first_static(self) -> None:
-        """End of the first static-graph backward: learn the counts, then reduce everything."""
-        assert self._static is not None
-        fired = self._timeline.ready_order()
-        unused = self._static.learn()
-        self._timeline.events.clear()
-        for index in fired:
-            self._mark(index, EventKind.READY)
-        for index in unused:
-            self._mark(index, EventKind.UNUSED)
-        if self._chain is None:
-            self._used.start(self.buckets[0].buffer.device, False)
-        self.finish_backward()
 
     # ------------------------------------------------------------------ end of backward
 
@@ -482,27 +439,14 @@ class Reducer:
 
     def _check_reports(self) -> None:
         reports = self._reports.finish(self._waits, self._micro_steps)
+        if self._missing if reports is None else any(r.missing for r in reports):
+            raise missing.missing_gradients_error(self)  # on every rank: all saw the flag
         if reports is None:  # world size 1: nobody else to tell
-            if self._missing:
-                self._raise_missing()
             return
-        if any(r.missing for r in reports):
-            self._raise_missing()
         counts = uneven(reports) if self.config.check_accumulation else None
         if counts is not None:
             raise GradSyncError(uneven_accumulation_message(counts, self.iteration))
 
-    def _raise_missing(self) -> None:
-        """Some rank's backward ended with gradients missing: every rank sees the flag in the
-        same reports, so every rank gathers the names (a collective) and raises alike."""
-        mine = [(self._bucket_of[i].index, self.names[i]) for i in self._missing]
-        everyone = [mine] if self.world_size == 1 else all_gather_objects(
-            self.process_group, mine, self.config.timeout
-        )
-        per_rank = {r: names for r, names in enumerate(everyone) if names}  # type: ignore[misc]
-        raise GradSyncError(missing_gradients_message(
-            per_rank, self.iteration, self._find_unused, self._static is not None, self.rank  # type: ignore[arg-type]
-        ))
 
     def _reports_ride_along(self) -> bool:
         # Without a hook each rank's report rides after the last bucket's gradients in its own
@@ -513,19 +457,7 @@ class Reducer:
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
-        if self._comm_hook is not None:
-            raise RuntimeError(
-                f"register_comm_hook can be called only once; {hook_name(self._comm_hook[1])} "
-                f"is already registered (tried to add {hook_name(hook)})"
-            )
-        if self.iteration > 0:
-            raise RuntimeError(
-                f"register_comm_hook must be called before the first forward/backward; "
-                f"{self.iteration} iteration(s) have already run with the default all-reduce"
-            )
-        if self._scale_at_launch:
-            raise NotImplementedError("gradsync: communication hooks with mixed precision are not supported yet")
-        check_hook(hook)
+        check_registration(self._comm_hook, hook, self.iteration, self._scale_at_launch)
         self._comm_hook = (state, hook)
 
     @property
@@ -586,6 +518,18 @@ def _on_backward_start(reducer: weakref.ref[Reducer], iteration: int, _grads: ob
         Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED
     ):
         live._queue_end_of_backward()
+
+
+def _attach_hooks(reducer: Reducer) -> None:
+    # The hooks hold the reducer weakly: parameters outlive wrappers (a module can be wrapped
+    # again), and a reducer kept alive by its own hooks would keep its process group alive
+    # until the interpreter tears it down at exit.
+    me = weakref.ref(reducer)
+    handles = [
+        p.register_post_accumulate_grad_hook(functools.partial(_dispatch_hook, me, i))
+        for i, p in enumerate(reducer.params)
+    ]
+    weakref.finalize(reducer, _remove_handles, handles)
 
 
 def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tensor) -> None:

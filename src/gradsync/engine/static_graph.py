@@ -9,7 +9,16 @@ used map (which parameters got a gradient on some rank) holds for good.
 
 from __future__ import annotations
 
-__all__ = ["StaticGraph"]
+from typing import TYPE_CHECKING
+
+import torch
+
+from .timeline import EventKind
+
+if TYPE_CHECKING:
+    from .reducer import Reducer
+
+__all__ = ["StaticGraph", "finish_first_iteration", "learning_fire"]
 
 
 class StaticGraph:
@@ -48,3 +57,28 @@ class StaticGraph:
         if self.used_map is None:
             self.used_map = used
         return self.used_map
+
+
+def learning_fire(reducer: Reducer, index: int, param: torch.Tensor) -> None:
+    """A hook in the first iteration: counted (by `StaticGraph.fire`); reduced at its end."""
+    if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
+        reducer._used.local[index] = 1
+    if reducer._static is not None and reducer._static.fires[index] == 1:
+        reducer._timeline.events.append((reducer._clock(), EventKind.READY, index))
+    if not reducer._watching and not reducer._end_queued:  # no outputs seen: best effort
+        reducer._queue_end_of_backward()
+
+
+def finish_first_iteration(reducer: Reducer) -> None:
+    """End of the first backward: learn the counts, then reduce everything."""
+    assert reducer._static is not None
+    fired = reducer._timeline.ready_order()
+    unused = reducer._static.learn()
+    reducer._timeline.events.clear()
+    for index in fired:
+        reducer._mark(index, EventKind.READY)
+    for index in unused:
+        reducer._mark(index, EventKind.UNUSED)
+    if reducer._chain is None:
+        reducer._used.start(reducer.buckets[0].buffer.device, False)
+    reducer.finish_backward()
