@@ -161,17 +161,17 @@ class Bucket:
             return
         if self.collective == "reduce_scatter":
             raise NotImplementedError("a reduce-scatter bucket's result is its shard, for a sharded optimizer")
-        keep = [used is None or bool(used[i]) for i in self.param_indices]
+        keep = _ALL if used is None else [bool(used[i]) for i in self.param_indices]
         if self.payload is not self.buffer:  # another dtype (mixed precision): cast each
             self._write_back_cast(keep)
             return
         if as_view:
-            self.view_grads([k and (p.grad is None or not _aliases(p.grad, v))
-                             for k, p, v in zip(keep, self.params, self.views)])
+            self.view_grads([keep[j] and (p.grad is None or not _aliases(p.grad, v))
+                             for j, (p, v) in enumerate(zip(self.params, self.views))])
             return
         targets, sources = [], []
-        for k, param, view in zip(keep, self.params, self.views):
-            if not k:
+        for j, (param, view) in enumerate(zip(self.params, self.views)):
+            if not keep[j]:
                 continue
             if param.grad is None:
                 param.grad = view.to(param.dtype, copy=True)
@@ -181,9 +181,9 @@ class Bucket:
         if targets:
             torch._foreach_copy_(targets, sources)
 
-    def _write_back_cast(self, keep: list[bool]) -> None:
-        for k, param, offset, length in zip(keep, self.params, self.offsets, self.lengths):
-            if not k:
+    def _write_back_cast(self, keep: Sequence[bool] | _Everything) -> None:
+        for j, (param, offset, length) in enumerate(zip(self.params, self.offsets, self.lengths)):
+            if not keep[j]:
                 continue
             value = self.payload.narrow(0, offset, length).view(param.shape)
             if param.grad is None or param.grad.dtype != param.dtype:
@@ -289,6 +289,16 @@ def _is_dense_permutation(t: torch.Tensor) -> bool:
             return False
         expected *= size
     return True
+
+
+class _Everything:
+    """`keep[j]` is True for every j: no used map, so every gradient is written back."""
+
+    def __getitem__(self, _j: int) -> bool:
+        return True
+
+
+_ALL = _Everything()
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
