@@ -11,6 +11,7 @@ import functools
 import inspect
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -178,7 +179,10 @@ class HookChain:
             bucket.future_done.set()
             return
         bucket.future = future
-        future.add_done_callback(functools.partial(self._on_done, bucket, bucket.future_done))
+        # Held weakly: the callback runs on a communication thread, and if it held the last
+        # reference to the chain (so to the process group), the group would be destroyed on
+        # its own worker thread, which cannot join itself ("Resource deadlock avoided").
+        future.add_done_callback(functools.partial(_chain_done, weakref.ref(self), bucket, bucket.future_done))
 
     def _call(self, bucket: Bucket, view: GradBucket) -> torch.futures.Future:
         if bucket.sparse:  # reduced as torch does, but in the chain's order
@@ -258,3 +262,11 @@ def _checked(value: object, bucket: Bucket, expected: torch.Tensor, name: str, w
             f"shape {list(expected.shape)} and dtype {' or '.join(sorted(str(d) for d in dtypes))}"
         )
     return value
+
+
+def _chain_done(chain: weakref.ref[HookChain], bucket: Bucket, done: threading.Event, future: object) -> None:
+    live = chain()
+    if live is not None:
+        live._on_done(bucket, done, future)
+    else:
+        done.set()
