@@ -95,6 +95,22 @@ def make_gloo_group(
     return group
 
 
+def _first_linear_here() -> None:
+    """Run the process's first float32 matrix product here, before any rank thread starts.
+
+    The first one (oneDNN's set-up; it also asks the kernel for AMX tile state, which
+    `arch_prctl(ARCH_GET_XCOMP_PERM)` shows appear) made by one rank thread while another
+    computes could leave that other thread's `torch.tanh` off by up to 1e-4 in every element,
+    on this project's machine (a nested virtual machine): the first training of a fresh process
+    then differed from all later ones, in about one process in six for seed 1200 of
+    `tests/fuzz.py` with gradsync's bf16 hook (3 of 17) and never once the first product had
+    run in the main thread (0 of 40, same code). Below both reducers: the gradients agree bit
+    for bit in every later training of the same process.
+    """
+    weight = torch.ones(4, 8, requires_grad=True)  # no random init: the global generator is the user's
+    torch.nn.functional.linear(torch.ones(2, 8), weight).sum().backward()
+
+
 def run_threaded(
     fn: Callable[..., Any],
     world_size: int,
@@ -111,6 +127,7 @@ def run_threaded(
     """
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size={world_size}: expected 1..64")
+    _first_linear_here()
     store = dist.HashStore()
     prefix = f"run_threaded/{time.monotonic_ns()}"
     outcomes: queue.Queue[tuple[int, bool, Any]] = queue.Queue()

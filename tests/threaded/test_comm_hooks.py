@@ -3,6 +3,8 @@ parameters; gradsync's hooks; every misuse is an error, never a hang."""
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -306,3 +308,24 @@ def test_a_thousand_buckets_ready_at_once_with_completed_futures_do_not_recurse(
     for grads, launches in run_threaded(body, 2, timeout=60):
         assert grads == [1.5, 1.5, 1.5]  # (1 + 2) / 2
         assert [i for _, i in launches] == [0, 1, 2]  # in bucket order all the same
+
+
+def test_hooks_are_launched_on_the_backward_thread_never_from_a_communication_thread():
+    # As torch's DDP launches them (see HookChain), whatever the Futures' callbacks run on.
+    def body(rank, group):
+        model = seeded(lambda: torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)]), 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=1e-7)  # 24 one-tensor buckets
+        threads = set()
+
+        def slow_then_allreduce(state, bucket):
+            threads.add(threading.current_thread().name)
+            fut = group.allreduce([bucket.buffer()]).get_future()
+            return fut.then(lambda f: (time.sleep(0.002), f.value()[0].div_(group.size()))[1])
+
+        ddp.register_comm_hook(group, slow_then_allreduce)
+        for _ in range(3):
+            ddp(torch.ones(4, 16) * (rank + 1)).pow(2).sum().backward()
+        return threads, len(ddp.reducer.buckets)
+
+    for rank, (threads, buckets) in enumerate(run_threaded(body, 2, timeout=60)):
+        assert buckets == 24 and threads == {f"rank{rank}"}

@@ -493,3 +493,27 @@ def test_backward_through_the_unwrapped_module_after_a_step_is_local_as_under_to
     for a, b in zip(ours, theirs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert not torch.equal(ours[0][0], ours[1][0])  # each rank kept its own gradient
+
+
+def test_mixed_precision_leaves_a_gradient_unused_everywhere_untouched_in_float32():
+    # The full-precision .grad tensors are put back as they were and overwritten with the
+    # averages (no float32 copy of each local gradient first); one unused on every rank keeps
+    # its tensor and values, as torch leaves it.
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    def body(rank, group):
+        model = seeded(lambda: __import__("models").UnusedBranch(), 0)
+        ddp = GradsyncDDP(model, process_group=group, find_unused_parameters=True,
+                          mixed_precision=_MixedPrecision(param_dtype=torch.bfloat16))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        ddp(torch.ones(2, 8)).float().sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        spare = model.spare.weight.grad = torch.full_like(model.spare.weight, 3.0)  # left from before
+        ddp(torch.ones(2, 8) * (rank + 1)).float().sum().backward()
+        return spare, model.spare.weight.grad, {n: p.grad for n, p in model.named_parameters()}
+
+    for spare_before, spare_after, grads in run_threaded(body, 2):
+        assert spare_after is spare_before and torch.equal(spare_after, torch.full_like(spare_after, 3.0))
+        assert all(g is None or g.dtype == torch.float32 for g in grads.values())
+        assert grads["used.weight"].dtype == torch.float32 and grads["used.weight"].abs().sum() > 0

@@ -146,13 +146,14 @@ def test_world_size_one_trains_like_a_plain_module():
         assert torch.equal(g, p.grad)
 
 
-def _uneven_no_sync(rank, group, hooked):
+def _uneven_no_sync(rank, group, hooked, read_back="now", steps=4):
     model = seeded(MODELS["mlp"], 0)
     ddp = GradsyncDDP(model, process_group=group)
     if hooked:  # the counts then travel in an all-reduce of their own, not in the last bucket
         ddp.register_comm_hook(group, torch_hooks.allreduce_hook)
     ddp.enable_stall_watchdog(warn_after=1, timeout=5)
-    for step in range(4):
+    ddp.reducer.configure(read_back=read_back)
+    for step in range(steps):
         skip = rank == 1 and step == 1  # rank 1 alone accumulates step 1 locally
         try:
             with ddp.no_sync() if skip else contextlib.nullcontext():
@@ -169,6 +170,16 @@ def test_no_sync_on_some_ranks_only_is_detected_at_the_next_sync_on_every_rank(h
     assert (step0, step1) == (1, 2)
     assert message0 == message1
     assert "rank 0: 1, rank 1: 2" in message0 and "no_sync() was entered on some ranks only" in message0
+
+
+def test_deferred_uneven_accumulation_is_raised_on_every_rank_an_iteration_or_two_later():
+    # read_back="deferred" (the default on a device group): the report is read once landed.
+    outcomes = run_threaded(_uneven_no_sync, 2, False, "deferred", 5, timeout=30)
+    for _step, message in outcomes:
+        # The uneven sync is iteration 2 (rank 0's step 1 with rank 1's step 2); its report is
+        # read at the start of a later one: one iteration later, or two when not yet landed.
+        assert "in iteration 2" in message and "rank 0: 1, rank 1: 2" in message
+    assert outcomes[0][0] in (2, 3) and outcomes[1][0] in (3, 4)
 
 
 def test_uneven_accumulation_can_be_allowed_and_then_matches_torch_ddp():

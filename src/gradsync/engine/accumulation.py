@@ -24,6 +24,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from .device import HostRead
+
 __all__ = ["RankReport", "Reports", "decode", "encode", "exact_counts", "saturation", "uneven"]
 
 
@@ -111,6 +113,18 @@ class Reports:
             wait(self.group.allreduce([exact]), "all-reduce of exact micro-step counts")
             reports = exact_counts(reports, exact.tolist())
         return reports
+
+    def finish_later(self, wait: Callable[[dist.Work, str], None]) -> HostRead | None:
+        """As `finish`, without the host reading: the summed reports (sent on their own, in
+        int64, so never saturated) on their way back, for `decode` once they have landed."""
+        if self._pending is None:
+            return None
+        values, work = self._pending
+        self._pending = None
+        assert values.dtype == torch.int64, "deferred reports travel on their own, in int64"
+        if work is not None:
+            wait(work, "all-reduce of the ranks' reports (micro-step counts)")
+        return HostRead(values)
 
     def received(self, values: torch.Tensor) -> None:
         """The summed reports arrived some other way (a joined rank's zero bucket)."""

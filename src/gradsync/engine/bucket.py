@@ -87,6 +87,8 @@ class Bucket:
         self.future_done: threading.Event | None = None
         self.hook_view: Any = None
         self.hook_error: Exception | None = None
+        self.stream: Any = None  # on a GPU: the stream its fill was queued on
+        self._cast: torch.Tensor | None = None  # the buffer in the reduce dtype (mixed precision)
 
     @property
     def nbytes(self) -> int:
@@ -212,8 +214,10 @@ class Bucket:
         cast to `reduce_dtype` and divided there, so the sum cannot overflow."""
         if self.sparse_grad is not None:
             self.payload = self.sparse_grad
-        elif reduce_dtype is not None:
-            self.payload = self.buffer.to(reduce_dtype).mul_(1.0 / divisor)
+        elif reduce_dtype is not None:  # into the same tensor every step, not a new one
+            if self._cast is None or self._cast.dtype != reduce_dtype:
+                self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype, device=self.buffer.device)
+            self.payload = torch.mul(self.buffer, 1.0 / divisor, out=self._cast)
         else:
             self.payload = self.buffer
         return self.payload

@@ -2,6 +2,8 @@
 
 They take the process group as an argument and use only its own methods, so they work on any
 `dist.ProcessGroup`, registered with torch's default world or not (threaded test groups are not).
+Their small tensors live where the group can reach them (`device.object_device`: the CPU for
+gloo, the GPU for NCCL, which has no CPU backend).
 """
 
 from __future__ import annotations
@@ -15,9 +17,13 @@ import torch
 import torch.distributed as dist
 
 from .config import DEFAULT_TIMEOUT
+from .device import host_runs_collectives, object_device
 from .errors import ReductionTimeoutError
 
-__all__ = ["DEFAULT_TIMEOUT", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
+# As torch's DDP broadcasts module states at construction.
+BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
+
+__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
 
 
 def wait(
@@ -25,10 +31,17 @@ def wait(
 ) -> None:
     """Every wait gradsync makes: `work.wait(timeout)`, a failure turned into an error that
     says which collective (`what`, or what it returns: built only on failure) and whether it
-    timed out, judged by the clock rather than by the message's wording."""
+    timed out, judged by the clock rather than by the message's wording.
+
+    On a device backend (NCCL) the wait is stream-side and carries no timeout: a timed one
+    would hold the host until the GPU is done, and a timed-out one aborts the communicator;
+    the group's own timeout and watchdog bound it instead."""
     start = time.monotonic()
     try:
-        work.wait(timeout)
+        if host_runs_collectives(group):
+            work.wait(timeout)
+        else:
+            work.wait()
     except RuntimeError as error:
         timed_out = time.monotonic() - start >= 0.95 * timeout.total_seconds()
         described = what() if callable(what) else what
@@ -66,18 +79,18 @@ def all_gather_objects(
     group: dist.ProcessGroup, obj: object, timeout: timedelta = DEFAULT_TIMEOUT
 ) -> list[object]:
     """Every rank's `obj` (picklable), in rank order."""
+    device = object_device(group)
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([payload.numel()], dtype=torch.int64)
-    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(group.size())]
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(group.size())]
     wait(group.allgather([sizes], [size]), "all-gather of object sizes", group, timeout)
-    longest = int(max(s.item() for s in sizes))
+    lengths = torch.cat(sizes).tolist()
+    longest = max(lengths)
     padded = torch.zeros(longest, dtype=torch.uint8)
     padded[: payload.numel()] = payload
-    gathered = [torch.zeros(longest, dtype=torch.uint8) for _ in range(group.size())]
-    wait(group.allgather([gathered], [padded]), "all-gather of objects", group, timeout)
-    return [
-        pickle.loads(bytes(g[: int(s.item())].tolist())) for g, s in zip(gathered, sizes)
-    ]
+    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(group.size())]
+    wait(group.allgather([gathered], [padded.to(device)]), "all-gather of objects", group, timeout)
+    return [pickle.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, lengths)]
 
 
 def broadcast_tensors(
@@ -86,18 +99,34 @@ def broadcast_tensors(
     src: int = 0,
     timeout: timedelta = DEFAULT_TIMEOUT,
     what: str = "broadcast of parameters and buffers",
+    chunk_bytes: int = BROADCAST_CHUNK_BYTES,
 ) -> None:
-    """Overwrite `tensors` on every rank with rank `src`'s values, one collective per dtype."""
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for t in tensors:
-        by_kind.setdefault((t.dtype, t.device), []).append(t)
-    for group_tensors in by_kind.values():
+    """Overwrite `tensors` on every rank with rank `src`'s values: one collective per dtype
+    and device, in flat chunks of about `chunk_bytes` (torch's 250 MB), so a whole model is
+    never copied at once."""
+    for chunk in _chunks(tensors, chunk_bytes):
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1) for t in group_tensors])
+            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
             opts = dist.BroadcastOptions()
             opts.rootRank = src
             wait(group.broadcast([flat], opts), what, group, timeout)
             offset = 0
-            for t in group_tensors:
+            for t in chunk:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def _chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> list[list[torch.Tensor]]:
+    """`tensors` by dtype and device, each kind cut into runs of at most `chunk_bytes` (a
+    larger tensor is a run of its own)."""
+    by_kind: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    for t in tensors:
+        kind, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
+        runs = by_kind.setdefault(kind, [[]])
+        if runs[-1] and sizes[kind] + nbytes > chunk_bytes:
+            runs.append([])
+            sizes[kind] = 0
+        runs[-1].append(t)
+        sizes[kind] = sizes.get(kind, 0) + nbytes
+    return [run for runs in by_kind.values() for run in runs if run]

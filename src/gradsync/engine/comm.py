@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from .bucket import Bucket
+from .device import on_stream
 from .errors import GradSyncError, ReductionTimeoutError
+from .events import EventClock
 from .profiling import profiled as _profiled
 from .timeline import EventKind
 
@@ -118,8 +120,13 @@ class HookChain:
     once, those nested collectives interleave differently on each rank, and callbacks waiting
     on work queued behind them occupy every gloo worker thread: a hang (torch 2.13's DDP hangs
     on PowerSGD with one-parameter buckets for this reason). One at a time, every rank issues
-    the same collectives in the same order. Launches happen on the backward thread, or on the
-    communication thread that completed the previous bucket.
+    the same collectives in the same order.
+
+    Hooks are launched where torch's DDP launches them, on the backward thread (`release`,
+    `pump` from each gradient's hook, and `result` at the end of backward), never from a
+    communication thread's callback: a hook's own work (a cast, a division) then runs where
+    the user's backward runs, on its thread and stream, not on a gloo worker that other
+    collectives are waiting for.
     """
 
     def __init__(
@@ -138,16 +145,22 @@ class HookChain:
         self._released = 0  # buckets full and in order, free to launch
         self._launched = 0
         self._pumping = False  # a launch loop is running (on the thread holding the lock)
+        self.waiting = False  # released buckets wait for their predecessor's Future
 
     def release(self, count: int) -> None:
         with self._lock:
             self._released = count
             self._pump()
 
+    def pump(self) -> None:
+        """Launch what has become launchable since (called from the backward thread)."""
+        with self._lock:
+            self._pump()
+
     def _pump(self) -> None:
-        # Call with the lock held. A Future that is complete when returned (NCCL's are, at
-        # enqueue) runs its callback, and so `_pump`, inside `_launch`: that nested call returns
-        # at once and this loop goes on, so a thousand ready buckets never nest a thousand deep.
+        # Call with the lock held. A loop, not a recursion: a Future that is complete when
+        # returned (NCCL's are, at enqueue) lets it go straight on to the next bucket, so a
+        # thousand ready buckets never nest a thousand deep.
         if self._pumping:
             return
         self._pumping = True
@@ -155,10 +168,12 @@ class HookChain:
             while self._launched < self._released:
                 previous = self.buckets[self._launched - 1] if self._launched else None
                 if previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
+                    self.waiting = True
                     return
                 bucket = self.buckets[self._launched]
                 self._launched += 1
                 self._launch(bucket)
+            self.waiting = False
         finally:
             self._pumping = False
 
@@ -168,7 +183,7 @@ class HookChain:
         view = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
         bucket.hook_view = view
         try:
-            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"):
+            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"), on_stream(bucket.stream):
                 future = self._call(bucket, view)
         except Exception as error:  # reported at the end of backward, on the backward thread
             bucket.hook_error = GradSyncError(
@@ -196,13 +211,12 @@ class HookChain:
             )
         return future
 
-    def _on_done(self, bucket: Bucket, done: threading.Event, _future: object) -> None:
-        self.events.append((self.clock(), COMPLETE, bucket.index))
-        done.set()
-        if bucket.future_done is not done:
-            return  # completed (failed, say) after its iteration was abandoned: nothing to pump
-        with self._lock:
-            self._pump()
+    def _on_done(self, bucket: Bucket, done: threading.Event, future: object) -> None:
+        if isinstance(self.clock, EventClock):  # timed on the device, not at this callback
+            self.clock.after(future, self.events, COMPLETE, bucket.index)
+        else:
+            self.events.append((self.clock(), COMPLETE, bucket.index))
+        done.set()  # the next bucket is launched by the backward thread, not here
 
     def result(self, bucket: Bucket, timeout: timedelta) -> torch.Tensor:
         """The checked tensor of `bucket`'s Future, waiting at most `timeout` for it."""
@@ -220,7 +234,9 @@ class HookChain:
             raise bucket.hook_error
         assert bucket.future is not None and bucket.hook_view is not None
         try:
-            value = bucket.future.value()
+            # wait(), not value(): on a GPU it makes the current stream wait for the hook's
+            # work (NCCL's Futures complete at enqueue), so the copy out reads landed data.
+            value = bucket.future.wait()
         except Exception as error:
             raise GradSyncError(f"gradsync: communication hook {name} failed for {where}: {error}") from error
         if isinstance(value, (list, tuple)) and len(value) == 1:
@@ -230,8 +246,7 @@ class HookChain:
         return _checked(value, bucket, bucket.hook_view.buffer(), name, where)
 
     def _pump_until_launched(self, bucket: Bucket, timeout: timedelta) -> None:
-        with self._lock:
-            self._pump()
+        self.pump()
         if bucket.future_done is None:  # its predecessor has not completed yet: wait for it
             previous = self.buckets[bucket.index - 1]
             assert previous.future_done is not None

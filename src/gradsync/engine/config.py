@@ -11,10 +11,11 @@ import torch
 
 from .bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES
 
-__all__ = ["DEFAULT_TIMEOUT", "RUNTIME_FIELDS", "ReducerConfig"]
+__all__ = ["DEFAULT_TIMEOUT", "READ_BACK", "RUNTIME_FIELDS", "ReducerConfig"]
 
 # The one default for every wait gradsync makes (torch's default for a gloo process group).
 DEFAULT_TIMEOUT = timedelta(minutes=30)
+READ_BACK = ("auto", "now", "deferred")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -69,12 +70,22 @@ class ReducerConfig:
     """Compare, across ranks, how many micro-steps each synchronisation covers (no_sync()
     entered on some ranks only is then an error, not silently mixed steps)."""
 
+    read_back: str = "auto"
+    """When the host reads each step's reports (micro-step counts, missing gradients on other
+    ranks): "now", at the end of backward (on a GPU a host sync every step); "deferred", once
+    they have landed, at a later iteration's start (never stops the host; such an error is
+    raised one or two iterations late, and a rank's own missing gradients still at once);
+    "auto": now for a group whose collectives run on the host (gloo), deferred on a device
+    group (NCCL)."""
+
     record_events: bool = True
     """Record the per-iteration timeline (one list append per gradient); off, nothing is
     recorded and stats are empty (for measuring what recording costs)."""
 
     clock: Callable[[], int] = time.perf_counter_ns
-    """Where timeline times come from, in nanoseconds."""
+    """Where timeline times come from, in nanoseconds. With parameters on a GPU the default
+    becomes device time (`events.EventClock`: CUDA events, resolved once they have passed);
+    an `EventClock` given here is used as that."""
 
     def casts_to_reduce(self, param_dtype: torch.dtype) -> bool:
         """Whether buckets are cast to another dtype to be reduced (mixed precision)."""
@@ -95,6 +106,8 @@ class ReducerConfig:
                      "check_finite", "report_unused", "check_accumulation", "record_events"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.read_back not in READ_BACK:
+            raise ValueError(f"read_back={self.read_back!r}: expected one of {', '.join(READ_BACK)}")
         if self.report_unused and not self.find_unused_parameters:
             raise ValueError("report_unused=True needs find_unused_parameters=True (there is no "
                              "used map to report otherwise)")
@@ -102,5 +115,5 @@ class ReducerConfig:
 
 # What `Reducer.configure` may change between iterations; the rest shapes the buckets.
 RUNTIME_FIELDS = frozenset(
-    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock"}
+    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock", "read_back"}
 )

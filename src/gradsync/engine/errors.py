@@ -126,6 +126,17 @@ def missing_gradients_message(
     )
 
 
+def missing_elsewhere_message(ranks: Sequence[int], iteration: int, rank: int) -> str:
+    """Read back late (deferred reports): other ranks' backward ended with gradients missing."""
+    return (
+        f"gradsync: rank(s) {', '.join(map(str, ranks))} ended the backward of iteration "
+        f"{iteration} with gradients that never came (this is rank {rank}; read back "
+        "after that iteration, since this group's reports are deferred: read_back='deferred' "
+        "or a device group). The error on those ranks names the parameters; the gradients "
+        "of that iteration here were averaged with zeros in their place."
+    )
+
+
 def uneven_accumulation_message(micro_steps: Sequence[int], iteration: int) -> str:
     per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(micro_steps) if n > 0)
     return (

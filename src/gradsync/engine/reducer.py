@@ -23,6 +23,7 @@ import dataclasses
 import enum
 import functools
 import logging
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -33,18 +34,22 @@ import torch.distributed as dist
 
 from . import layout as layouts
 from . import missing, static_graph
-from .accumulation import Reports, uneven
+from .accumulation import Reports, decode, uneven
 from .bucket import Bucket
 from .bucketing import validate_bucket_indices
 from .checks import check_finite
 from .comm import CommHook, HookChain, check_registration
 from .config import RUNTIME_FIELDS, ReducerConfig
+from .device import HostRead, host_runs_collectives, wait_stream_of
 from .errors import (
     GradSyncError,
     format_names,
     marked_twice_message,
+    missing_elsewhere_message,
+    missing_gradients_message,
     uneven_accumulation_message,
 )
+from .events import EventClock, last_tokens, resolve_timeline
 from .profiling import profiled as _profiled
 from .static_graph import StaticGraph
 from .timeline import DiscardedEvents, EventKind, IterationTimeline
@@ -100,13 +105,21 @@ class Reducer:
         self._reports = Reports(process_group)
         self._comm_hook: tuple[object, CommHook] | None = None
         self._waits = Waits(process_group, self.names)
-        self._clock = _recording_clock(self.config)
+        # On a GPU the timeline is timed with CUDA events, resolved once they have passed.
+        self._device_clock = self.config.clock if isinstance(self.config.clock, EventClock) else (
+            EventClock() if self.params[0].is_cuda else None
+        )
+        self._clock = _recording_clock(self.config, self._device_clock)
+        self._defer = _defers_reads(self.config, process_group)
+        self._deferred: deque[tuple[int, HostRead]] = deque()  # (iteration, its reports)
         # Called with (rank, timeline) after every synchronised iteration (the wrapper logs
         # per-iteration stats through one at GRADSYNC_DEBUG=DETAIL).
         self.iteration_listeners: list[Callable[[int, IterationTimeline], None]] = []
-        self.history: deque[IterationTimeline] = deque(maxlen=self.config.history)
+        self._history: deque[IterationTimeline] = deque(maxlen=self.config.history)
+        self._unresolved: deque[IterationTimeline] = deque()  # finished, events still in flight
         self._scale_at_launch = self.config.casts_to_reduce(self.params[0].dtype)
         self.buckets: list[Bucket] = []
+        self._bucket_of: list[Bucket] = []  # parameter index -> its bucket
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
             self.config.static_graph or not self._find_unused
@@ -115,6 +128,9 @@ class Reducer:
         self._divisor, self._ride = self.world_size, False
         self._unused: list[int] = []
         self._chain: HookChain | None = None
+        # On a GPU: the stream each gradient was produced on (autograd runs a hook on its
+        # gradient's stream), so a bucket's copy waits for all of them, not only the last.
+        self._streams: list[object] | None = [None] * len(self.params) if self.params[0].is_cuda else None
         self.phase = Phase.IDLE
         self._start_state()
         _attach_hooks(self)
@@ -127,12 +143,16 @@ class Reducer:
 
     def _install_buckets(self, layout: list[list[int]]) -> None:
         layouts.check_sparse_layout(layout, self.expect_sparse_gradient, self.names)
+        # The old buckets go first: old and new together would be a gradient-sized spike.
+        # (Gradients that are views of them keep their storage until adopted.)
+        self.buckets = []
+        self._bucket_of.clear()
         self.buckets = layouts.make_buckets(
             layout, self.params, self.expect_sparse_gradient, self.config.bucket_dtype, self.world_size
         )
         self._layout = [list(b.param_indices) for b in self.buckets]
         self._layout_bytes = [b.nbytes for b in self.buckets]
-        self._bucket_of: list[Bucket] = [None] * len(self.params)  # type: ignore[list-item]
+        self._bucket_of = [None] * len(self.params)  # type: ignore[list-item]
         for bucket in self.buckets:
             for i in bucket.param_indices:
                 self._bucket_of[i] = bucket
@@ -154,11 +174,13 @@ class Reducer:
     def _rebuild_if_due(self) -> None:
         # As torch: after the first synchronised iteration, or with a static graph the second
         # (the first only counts hooks, reducing everything at its end, in no real order).
-        if not self._needs_rebuild or len(self.history) < (2 if self._static else 1):
+        finished = len(self._history) + len(self._unresolved)
+        if not self._needs_rebuild or finished < (2 if self._static else 1):
             return
         self._needs_rebuild = False
+        last = self._unresolved[-1] if self._unresolved else self._history[-1]  # its order, not times
         layout = layouts.rebuilt_layout(
-            self.history[-1], self.params, self.expect_sparse_gradient,
+            last, self.params, self.expect_sparse_gradient,
             self.config.rebuild_bucket_size_limits or (), self.process_group, self.config.timeout,
         )
         if layout is not None:  # None on every rank alike
@@ -185,6 +207,9 @@ class Reducer:
         no_sync); every rank must cover the same number (`config.check_accumulation`).
         """
         self._check_prior_reduction_finished()
+        self._check_deferred()
+        if self._unresolved:
+            self._publish_landed()
         self._rebuild_if_due()
         self.iteration += 1
         self._start_state()
@@ -288,12 +313,17 @@ class Reducer:
             if static.learning:
                 static_graph.learning_fire(self, index, param)
             return
+        if self._streams is not None:
+            self._streams[index] = torch.cuda.current_stream()
         if self._marked[index]:
             cause = "unused" if index in self._unused else "repeat"
             raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
         if self._unused_pending:
             self._mark_unused()
         self._mark(index, EventKind.READY)
+        chain = self._chain
+        if chain is not None and chain.waiting:  # a bucket whose predecessor has completed since
+            chain.pump()
 
     def _mark_unused(self) -> None:
         # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
@@ -323,6 +353,9 @@ class Reducer:
         # A communication hook averages itself (torch's protocol); mixed precision scales in the
         # reduce dtype at launch (`_payload`).
         scale = self._comm_hook is None and not self._scale_at_launch
+        if self._streams is not None:
+            wait_stream_of([self._streams[i] for i in bucket.param_indices])
+            bucket.stream = torch.cuda.current_stream()  # where the chain launches it (M2)
         bucket.fill(self._divisor if scale else 0, self.config.gradient_as_bucket_view)
 
     def _fill_sparse(self, bucket: Bucket) -> None:
@@ -351,9 +384,12 @@ class Reducer:
                 wire = bucket.wire
             with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
                 work = bucket.start(self.process_group, wire)
-            work.get_future().add_done_callback(
-                functools.partial(_record_completion, events, self._clock, bucket.index)
-            )
+            if self._device_clock is not None and self._clock is self._device_clock:
+                self._device_clock.after(work, events, EventKind.COMPLETE, bucket.index)
+            else:
+                work.get_future().add_done_callback(
+                    functools.partial(_record_completion, events, self._clock, bucket.index)
+                )
         if self._chain is not None:
             self._chain.release(self._next_bucket)
         if self._next_bucket == len(buckets) and self.phase is _BACKWARD:
@@ -418,9 +454,10 @@ class Reducer:
         finally:
             self.phase = Phase.REDUCED  # `_marked` kept: a gradient still coming is reported
             timeline.finish_ns = self._clock()
-            self.history.append(timeline)
-            for listener in self.iteration_listeners:
-                listener(self.rank, timeline)
+            if self._device_clock is None or self._clock is not self._device_clock:
+                self._publish(timeline)
+            else:  # published once its events have passed (`_publish_landed`)
+                self._unresolved.append(timeline)
             self._used.clear()
             self._clear_reduction()
             self._end_queued = True  # until the next iteration: nothing more to finish
@@ -437,7 +474,31 @@ class Reducer:
             # Only now: a collective started earlier could interleave with the chain's.
             self._used.start(self.buckets[0].buffer.device, self.config.report_unused)
 
+    # ------------------------------------------------------------------------- history
+
+    @property
+    def history(self) -> deque[IterationTimeline]:
+        """The last `config.history` finished iterations' timelines (on a GPU, reading it
+        waits for the events of iterations still in flight: off the step path)."""
+        while self._unresolved:
+            self._publish(resolve_timeline(self._unresolved.popleft(), self._device_clock))  # type: ignore[arg-type]
+        return self._history
+
+    def _publish(self, timeline: IterationTimeline) -> None:
+        self._history.append(timeline)
+        for listener in self.iteration_listeners:
+            listener(self.rank, timeline)
+
+    def _publish_landed(self) -> None:
+        clock = self._device_clock
+        assert clock is not None
+        while self._unresolved and clock.landed(last_tokens(self._unresolved[0])):
+            self._publish(resolve_timeline(self._unresolved.popleft(), clock))
+
     def _check_reports(self) -> None:
+        if self._defer:
+            self._defer_reports()
+            return
         reports = self._reports.finish(self._waits, self._micro_steps)
         if self._missing if reports is None else any(r.missing for r in reports):
             raise missing.missing_gradients_error(self)  # on every rank: all saw the flag
@@ -447,11 +508,43 @@ class Reducer:
         if counts is not None:
             raise GradSyncError(uneven_accumulation_message(counts, self.iteration))
 
+    def _defer_reports(self) -> None:
+        """Deferred read-back: this rank's own missing gradients raise now (the host knows
+        them); the summed reports are read once they have landed (`_check_deferred`)."""
+        self._check_deferred()  # what has landed (a joined rank never starts an iteration)
+        pending = self._reports.finish_later(self._waits)
+        if pending is not None:
+            self._deferred.append((self.iteration, pending))
+        if self._missing:
+            mine = [(self._bucket_of[i].index, self.names[i]) for i in self._missing]
+            raise GradSyncError(missing_gradients_message(
+                {self.rank: mine}, self.iteration, self._find_unused, self._static is not None, self.rank
+            ))
+
+    def _check_deferred(self) -> None:
+        """Read the reports of earlier iterations that have landed (asking, not waiting), and
+        those of the iteration before last in any case; raise what they show."""
+        while self._deferred:
+            iteration, pending = self._deferred[0]
+            if iteration >= self.iteration and not pending.ready():
+                return
+            self._deferred.popleft()
+            reports = decode(pending.get(), torch.int64)
+            elsewhere = [r for r, report in enumerate(reports) if report.missing and r != self.rank]
+            if elsewhere:
+                self._deferred.clear()
+                raise GradSyncError(missing_elsewhere_message(elsewhere, iteration, self.rank))
+            counts = uneven(reports) if self.config.check_accumulation else None
+            if counts is not None:
+                self._deferred.clear()
+                raise GradSyncError(uneven_accumulation_message(counts, iteration))
 
     def _reports_ride_along(self) -> bool:
         # Without a hook each rank's report rides after the last bucket's gradients in its own
-        # all-reduce (free); otherwise it takes a tiny all-reduce of its own, after every bucket.
-        return self._comm_hook is None and not self._scale_at_launch and self.buckets[-1].tail is not None
+        # all-reduce (free); otherwise it takes a tiny all-reduce of its own, after every bucket
+        # (always when read back deferred: in int64, never saturated, no follow-up collective).
+        return (self._comm_hook is None and not self._scale_at_launch and not self._defer
+                and self.buckets[-1].tail is not None)
 
     # ---------------------------------------------------------------- hooks, settings
 
@@ -488,7 +581,8 @@ class Reducer:
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("Reducer.configure: an iteration is still being reduced")
         self.config = dataclasses.replace(self.config, **changes)  # type: ignore[arg-type]
-        self._clock = _recording_clock(self.config)
+        self._clock = _recording_clock(self.config, self._device_clock)
+        self._defer = _defers_reads(self.config, self.process_group)
 
     def set_stall_monitor(self, monitor: StallMonitor, timeout: timedelta | None = None) -> None:
         """Report stalls through `monitor` (gradsync's `StallWatchdog`): a log report when the
@@ -538,12 +632,22 @@ def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tenso
         live._autograd_hook(index, param)
 
 
+def _defers_reads(config: ReducerConfig, group: dist.ProcessGroup) -> bool:
+    if config.read_back == "auto":
+        return not host_runs_collectives(group)
+    return config.read_back == "deferred"
+
+
 def _no_clock() -> int:
     return 0
 
 
-def _recording_clock(config: ReducerConfig) -> Callable[[], int]:
-    return config.clock if config.record_events else _no_clock
+def _recording_clock(config: ReducerConfig, device_clock: EventClock | None) -> Callable[[], int]:
+    if not config.record_events:
+        return _no_clock
+    if device_clock is not None and config.clock in (time.perf_counter_ns, device_clock):  # not the user's own
+        return device_clock
+    return config.clock
 
 
 def _remove_handles(handles: list) -> None:

@@ -27,15 +27,19 @@ class UsedMap:
         self._work: dist.Work | None = None
         self._sum: torch.Tensor | None = None
         self._maps: list[torch.Tensor] = []
+        self._all_local = False  # every parameter used on this rank (so on some rank)
+        self._ones = [1] * len(self.names)
 
     def clear(self) -> None:
         self.local = bytearray(len(self.names))
 
     def start(self, device: torch.device, report: bool) -> None:
         """Start the reduction of this rank's map (all-gathered, with `report`, to say who)."""
-        self._sum = torch.frombuffer(bytearray(self.local), dtype=torch.uint8).to(
-            device=device, dtype=torch.int32
-        )
+        self._all_local = all(self.local)
+        local = torch.frombuffer(bytearray(self.local), dtype=torch.uint8)
+        if device.type == "cuda":  # through pinned memory, so the copy does not stop the host
+            local = local.pin_memory().to(device, non_blocking=True)
+        self._sum = local.to(device=device, dtype=torch.int32)
         if report:
             self._maps = [torch.zeros_like(self._sum) for _ in range(self.group.size())]
             self._work = self.group.allgather([self._maps], [self._sum])
@@ -48,13 +52,15 @@ class UsedMap:
         return self._work is not None
 
     def finish(self, wait: Callable[[dist.Work, str], None]) -> list[int] | None:
-        """How many ranks used each parameter (None if no reduction was started)."""
+        """Per parameter, nonzero if some rank used it (the number of ranks that did, unless
+        this rank used them all: then ones, unread). None if no reduction was started."""
         if self._work is None or self._sum is None:
             return None
         work, self._work = self._work, None
         wait(work, "reduction of the used-parameter map")
         if not self._maps:
-            return self._sum.tolist()
+            # Used here means used: only a map with a zero needs reading (a host sync on a GPU).
+            return self._ones if self._all_local else self._sum.tolist()
         per_rank = [m.tolist() for m in self._maps]
         world = range(len(per_rank))
         self.last_report = {

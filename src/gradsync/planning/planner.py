@@ -100,8 +100,10 @@ def probe_cost_model(
         wait(group.allreduce([t]), "cost-model probe", group, DEFAULT_TIMEOUT)  # warm-up
         samples = []
         for _ in range(repeats):
+            _settle(t.device)
             start = time.perf_counter()
             wait(group.allreduce([t]), "cost-model probe", group, DEFAULT_TIMEOUT)
+            _settle(t.device)  # on a GPU the wait is stream-side: time until the device is done
             samples.append((time.perf_counter() - start) * 1e3)
         medians.append(statistics.median(samples))
     agreed = torch.tensor(medians, dtype=torch.float64, device=device)
@@ -196,6 +198,12 @@ def probe_under_load(
     # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
     cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
     return LoadProbe(group.size(), cost, compute_ms, step_ms)
+
+
+def _settle(device: torch.device) -> None:
+    """Wait until `device` has done what was queued (the probe is off the step path)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _busy(a: torch.Tensor, products: int) -> None:

@@ -198,7 +198,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             if self.device_ids:
                 inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
             if self._mixed is not None:
-                self._mixed.cast_down(sync)
+                self._mixed.cast_down(sync, written_back=sync and self.reducer is not None)
                 inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
             output = self.module(*inputs, **kwargs)
             if self._searches_unused() and torch.is_grad_enabled():

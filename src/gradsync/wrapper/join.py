@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import JoinHook
 
 from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, broadcast_tensors, wait
+from ..engine.device import object_device
 
 if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
@@ -24,16 +25,17 @@ __all__ = ["DDPJoinHook", "all_reduce_flag", "find_common_rank"]
 
 def find_common_rank(group: dist.ProcessGroup, rank: int, candidate: bool) -> int:
     """The highest rank among those passing `candidate=True` (every rank must call this)."""
-    t = all_reduce(group, torch.tensor([rank if candidate else -1]), dist.ReduceOp.MAX,
-                   "all-reduce to agree on an authoritative rank")
-    if t.item() < 0:
+    t = all_reduce(group, torch.tensor([rank if candidate else -1], device=object_device(group)),
+                   dist.ReduceOp.MAX, "all-reduce to agree on an authoritative rank")
+    common = int(t.item())  # once, when the last rank joins: off the step path
+    if common < 0:
         raise RuntimeError("gradsync join: no rank could serve as the authoritative copy")
-    return int(t.item())
+    return common
 
 
 def all_reduce_flag(group: dist.ProcessGroup, value: bool) -> dist.Work:
     """Start a sum of one flag per rank; joined ranks contribute False."""
-    return group.allreduce([torch.tensor([1.0 if value else 0.0])])
+    return group.allreduce([torch.tensor([1.0 if value else 0.0], device=object_device(group))])
 
 
 class DDPJoinHook(JoinHook):
@@ -45,7 +47,7 @@ class DDPJoinHook(JoinHook):
 
     def main_hook(self) -> None:
         ddp = self.ddp
-        flag = torch.zeros(1)
+        flag = torch.zeros(1, device=object_device(ddp.process_group))
         wait(ddp.process_group.allreduce([flag]), "join: backward-sync flag", ddp.process_group, DEFAULT_TIMEOUT)
         should_sync = flag.item() > 0
         ddp._sync_buffers_from_active_rank(is_active=False)

@@ -34,17 +34,25 @@ class MixedPrecisionParams:
         self._full: dict[int, torch.Tensor] = {}
         self._stashed_grads: dict[int, torch.Tensor] = {}
         self._restore_queued = False
+        self._written_back = False
+        self._before: dict[int, torch.Tensor | None] = {}  # full-precision .grad before forward
         if self.buffer_dtype is not None:
             for name, buf in module.named_buffers():
                 if name not in ignored and buf.is_floating_point():
                     buf.data = buf.to(self.buffer_dtype)
 
-    def cast_down(self, sync: bool) -> None:
+    def cast_down(self, sync: bool, written_back: bool = False) -> None:
         """Before forward: low-precision parameters; on unsynchronised steps, set the
-        full-precision gradient aside, to add this step's gradient to it in float32 later."""
+        full-precision gradient aside, to add this step's gradient to it in float32 later.
+
+        `written_back`: the Reducer writes this backward's averages back in full precision,
+        so `restore` puts back the full-precision gradient tensors as they were (the Reducer
+        overwrites those it averages and leaves the rest untouched, as torch does) instead of
+        casting each low-precision gradient up only to have it overwritten."""
         if self.param_dtype is None:
             return
         self._restore_queued = False
+        self._written_back = written_back
         for p in self.params:
             if id(p) in self._full:  # a forward never followed by backward
                 continue
@@ -52,6 +60,8 @@ class MixedPrecisionParams:
             grad = p.grad
             p.grad = None
             p.data = p.data.to(self.param_dtype)
+            if written_back:
+                self._before[id(p)] = grad
             if grad is not None:
                 if sync:  # the reducer must see the whole accumulated gradient
                     p.grad = grad.to(self.param_dtype)
@@ -93,6 +103,9 @@ class MixedPrecisionParams:
                 grad = p.grad
                 p.grad = None
                 p.data = full
+                if self._written_back:  # this backward's gradients are in the buckets already
+                    p.grad = self._before.pop(id(p), None)
+                    continue
                 stashed = self._stashed_grads.pop(id(p), None)
                 if grad is not None:
                     grad = grad.to(full.dtype)

@@ -1,0 +1,97 @@
+"""Device time for the timeline: when gradients were computed and reduced, not when the host
+queued the work.
+
+On a GPU the host runs ahead, so a host clock read at a hook, a launch or a Future's completion
+tells when work was enqueued. `EventClock` records a CUDA event on the current stream instead
+and hands the timeline a token; a finished iteration's tokens become nanoseconds (on the host
+clock's scale, anchored once) only when its events have passed (`landed`), asked without a
+sync, or when someone reads the history (`resolve_timeline`). A bucket's completion is timed
+on a side stream made to wait for its collective (`after`), so it fires when the reduction
+ends, whatever the compute stream is doing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+from .timeline import EventKind, IterationTimeline
+
+__all__ = ["EventClock", "last_tokens", "resolve_timeline"]
+
+
+class EventClock:
+    """A clock for the Reducer's timeline whose readings are CUDA events (as tokens)."""
+
+    def __init__(
+        self,
+        new_event: Callable[[], Any] | None = None,
+        side_stream: Callable[[], contextlib.AbstractContextManager] | None = None,
+        host_ns: Callable[[], int] = time.perf_counter_ns,
+    ) -> None:
+        if new_event is None or side_stream is None:
+            import torch
+
+            stream = torch.cuda.Stream()
+            new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
+            side_stream = side_stream or (lambda: torch.cuda.stream(stream))
+        self._new_event, self._side_stream, self._host_ns = new_event, side_stream, host_ns
+        self._tokens = itertools.count(1)  # next() is atomic: hooks and comm threads both read
+        self._events: dict[int, Any] = {}
+        self._anchor: tuple[Any, int] | None = None  # (event, host ns when it was recorded)
+
+    def __call__(self) -> int:
+        event = self._new_event()
+        event.record()
+        token = next(self._tokens)
+        self._events[token] = event
+        if self._anchor is None:
+            self._anchor = (event, self._host_ns())
+        return token
+
+    def after(self, waitable: Any, events: list, kind: int, index: int) -> None:
+        """Append `(token, kind, index)` timed when `waitable` (a Work or a Future) completes on
+        the device: a side stream waits for it, then records."""
+        with self._side_stream():
+            waitable.wait()  # stream-side: the side stream waits, the host does not
+            events.append((self(), kind, index))
+
+    def landed(self, tokens: list[int]) -> bool:
+        """Whether these readings have all happened on the device (asked, never waited for)."""
+        return all(t not in self._events or self._events[t].query() for t in tokens)
+
+    def ns(self, token: int) -> int:
+        """A reading in nanoseconds (0 stays 0: nothing was recorded). Waits for it if needed."""
+        event = self._events.get(token)
+        if event is None or self._anchor is None:
+            return token if token == 0 else 0
+        anchor, anchor_ns = self._anchor
+        if not event.query():
+            event.synchronize()
+        return anchor_ns + round(anchor.elapsed_time(event) * 1e6)
+
+    def forget_through(self, token: int) -> None:
+        """Drop readings up to `token` (resolved), keeping the anchor."""
+        for t in [t for t in self._events if t <= token]:
+            if self._anchor is None or self._events[t] is not self._anchor[0]:
+                del self._events[t]
+
+
+def resolve_timeline(timeline: IterationTimeline, clock: EventClock) -> IterationTimeline:
+    """Turn a finished timeline's tokens into nanoseconds, in place (and return it)."""
+    timeline.events[:] = [(clock.ns(t), k, i) for t, k, i in timeline.events]
+    last = max([timeline.finish_ns, timeline.backward_end_ns, timeline.start_ns])
+    timeline.start_ns = clock.ns(timeline.start_ns)
+    timeline.forward_start_ns = clock.ns(timeline.forward_start_ns)
+    timeline.backward_end_ns = clock.ns(timeline.backward_end_ns)
+    timeline.finish_ns = clock.ns(timeline.finish_ns)
+    clock.forget_through(last)
+    return timeline
+
+
+def last_tokens(timeline: IterationTimeline) -> list[int]:
+    """The readings whose passing means the whole iteration has (its end, its completions)."""
+    return [timeline.finish_ns] + [t for t, k, _ in timeline.events if k == EventKind.COMPLETE]

@@ -1,0 +1,219 @@
+"""What a GPU asks of the step path, shown on CPU groups: small collectives on the group's
+device, reports read back without stopping the host (`read_back="deferred"`, the default on a
+device group), no host read of a tensor on the step path, and the construction broadcast in
+chunks. The same code runs on CUDA; `benchmarks/gpu_check.py` checks it there."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+
+import pytest
+import torch
+from models import MODELS
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync import EventKind, Reducer, ReducerConfig
+from gradsync.engine.collectives import all_gather_objects, broadcast_tensors
+from gradsync.engine.device import HostRead, host_runs_collectives, object_device
+from gradsync.engine.errors import GradSyncError
+from gradsync.engine.events import EventClock
+from gradsync.testing import run_threaded, seeded
+
+
+class _DeviceGroup:
+    """Only what `object_device` reads of a group: an NCCL-like group's device types."""
+
+    def __init__(self, types, bound=None):
+        self._device_types = types
+        self.bound_device_id = bound
+
+
+def test_small_collectives_live_on_the_groups_device():
+    assert object_device(_DeviceGroup([torch.device("cpu")])) == torch.device("cpu")
+    assert object_device(_DeviceGroup([torch.device("cpu"), torch.device("cuda")])) == torch.device("cpu")
+    assert object_device(_DeviceGroup([torch.device("cuda")], torch.device("cuda", 3))) == torch.device("cuda", 3)
+    assert not host_runs_collectives(_DeviceGroup([torch.device("cuda")], torch.device("cuda", 0)))
+
+    def body(rank, group):
+        return object_device(group), host_runs_collectives(group), all_gather_objects(group, {"rank": rank})
+
+    for device, on_host, gathered in run_threaded(body, 2):
+        assert device == torch.device("cpu") and on_host
+        assert gathered == [{"rank": 0}, {"rank": 1}]
+
+
+def test_host_read_of_a_cpu_tensor_is_there_at_once():
+    read = HostRead(torch.tensor([3, 4]))
+    assert read.ready() and read.get() == [3, 4]
+
+
+def test_construction_broadcast_in_chunks_gives_rank_0s_values():
+    def body(rank, group):
+        tensors = [torch.full((n,), float(rank + 1), dtype=dtype)
+                   for n, dtype in [(5, torch.float32), (3, torch.float64), (7, torch.float32), (1, torch.float32)]]
+        broadcast_tensors(group, tensors, src=0, chunk_bytes=24)  # 6 floats: several chunks
+        return tensors
+
+    for tensors in run_threaded(body, 3):
+        assert all(torch.equal(t, torch.ones_like(t)) for t in tensors)
+
+
+def _train(rank, group, cls, read_back, steps=4, find_unused=False):
+    model = seeded(MODELS["unused_branch" if find_unused else "mlp"], 0)
+    ddp = cls(model, process_group=group, find_unused_parameters=find_unused)
+    if cls is GradsyncDDP:
+        ddp.reducer.configure(read_back=read_back)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        opt.zero_grad()
+        ddp(torch.ones(2, 8) * (step + rank + 1)).pow(2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_deferred_read_back_trains_exactly_as_torch(find_unused):
+    ours = run_threaded(_train, 2, GradsyncDDP, "deferred", 4, find_unused)
+    theirs = run_threaded(_train, 2, TorchDDP, "now", 4, find_unused)
+    for a, b in zip(ours, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+class _Skippable(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, skip=False):
+        h = self.used(x) if skip else self.used(x) + self.spare(x)
+        return self.out(torch.relu(h))
+
+
+def test_deferred_missing_gradients_raise_at_once_on_their_rank_and_later_elsewhere():
+    def body(rank, group):
+        model = seeded(_Skippable, 0)
+        ddp = GradsyncDDP(model, process_group=group)  # no find_unused: a skipped spare is missing
+        ddp.reducer.configure(read_back="deferred")
+        for step in range(5):
+            try:
+                ddp(torch.ones(2, 8), skip=rank == 1 and step == 1).sum().backward()
+            except GradSyncError as error:
+                return step, str(error)
+        return "no error"
+
+    (step0, message0), (step1, message1) = run_threaded(body, 2, timeout=30)
+    assert step1 == 1 and "rank 1: bucket(s)" in message1 and "spare.weight" in message1
+    assert step0 in (2, 3) and "rank(s) 1 ended the backward of iteration 2" in message0
+
+
+@pytest.mark.parametrize("read_back", ["deferred", "now"])
+def test_step_path_reads_no_tensor_on_the_host_when_read_back_is_deferred(monkeypatch, read_back):
+    """The CPU stand-in for torch.cuda.set_sync_debug_mode("error"): with the defaults,
+    find_unused_parameters and the accumulation check on, steps after the first read no
+    tensor's value on the host, except through `device.HostRead` (pinned memory, once landed).
+    Read back "now" (gloo's default), the same steps do read: the count is a real one."""
+    reads: list[str] = []
+    allowed = ("gradsync/engine/device.py",)
+
+    def counting(name):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if "gradsync" in caller and not caller.endswith(allowed) and counting_on[0]:
+                reads.append(f"{name} from {caller}:{sys._getframe(1).f_lineno}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    counting_on = [False]
+    for name in ("item", "tolist", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, counting(name))
+
+    def body(rank, group, find_unused):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group, find_unused_parameters=find_unused)
+        ddp.reducer.configure(read_back=read_back, check_accumulation=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(5):
+            if step == 2 and rank == 0:
+                counting_on[0] = True  # after the bucket rebuild, in the steady state
+            opt.zero_grad()
+            ddp(torch.ones(2, 8) * (step + 1)).pow(2).sum().backward()
+            opt.step()
+        return True
+
+    for find_unused in (False, True):
+        run_threaded(body, 2, find_unused, timeout=30)
+        counting_on[0] = False
+    if read_back == "deferred":
+        assert reads == []
+    else:
+        assert any("accumulation.py" in r for r in reads), reads
+
+
+class _FakeEvent:
+    """A CUDA event's protocol on the host: recorded at a host time, landed when told."""
+
+    landed = True
+
+    def record(self):
+        self.t = time.perf_counter_ns()
+
+    def query(self):
+        return _FakeEvent.landed
+
+    def synchronize(self):
+        pass
+
+    def elapsed_time(self, other):
+        return (other.t - self.t) / 1e6
+
+
+def _event_clock():
+    return EventClock(new_event=_FakeEvent, side_stream=contextlib.nullcontext)
+
+
+def test_event_clock_turns_tokens_into_nanoseconds_anchored_once():
+    clock = _event_clock()
+    start = time.perf_counter_ns()
+    tokens = [clock() for _ in range(3)]
+    assert tokens == [1, 2, 3]
+    times = [clock.ns(t) for t in tokens]
+    assert start <= times[0] <= times[1] <= times[2] <= time.perf_counter_ns()
+    assert clock.ns(0) == 0
+
+
+def test_device_timed_timelines_are_published_once_landed_and_read_in_device_time():
+    def body(rank, group):
+        model = seeded(MODELS["many_small"], 0)
+        params = list(model.parameters())
+        config = ReducerConfig(clock=_event_clock(), rebuild_bucket_size_limits=(256,))
+        reducer = Reducer(params, [[i] for i in reversed(range(len(params)))], group, config=config)
+        seen = []
+        reducer.iteration_listeners.append(lambda r, t: seen.append(t.iteration))
+        states = []
+        for step in range(4):
+            _FakeEvent.landed = step >= 2  # iterations 1 and 2 still "in flight" on the device
+            out = model(torch.ones(2, 8))
+            reducer.prepare_for_backward(out)
+            out.sum().backward()
+            states.append((list(seen), len(reducer._unresolved)))
+        history = list(reducer.history)  # reading it resolves what is left
+        return states, history, seen
+
+    for states, history, seen in run_threaded(body, 2, timeout=60):
+        # Nothing published while in flight; once landed, published at the next iteration's start.
+        assert states[0] == ([], 1) and states[1] == ([], 2)
+        assert states[2][0] == [1, 2] and states[3][0] == [1, 2, 3]
+        assert seen == [1, 2, 3, 4] and [t.iteration for t in history] == [1, 2, 3, 4]
+        for timeline in history:
+            launched = timeline.times(EventKind.LAUNCH)
+            completed = timeline.times(EventKind.COMPLETE)
+            assert launched and set(completed) == set(launched)
+            assert all(0 <= launched[b] <= completed[b] for b in launched)
+            assert timeline.start_ns <= timeline.backward_end_ns <= timeline.finish_ns
+            assert timeline.start_ns > 10**6  # nanoseconds on the host clock's scale, not tokens
