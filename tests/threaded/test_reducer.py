@@ -201,15 +201,22 @@ def test_shared_layer_in_two_reentrant_checkpoints_is_marked_twice():
         run_threaded(body, 1)
 
 
+def _backward_missing_spare(group, forward=lambda model, x: model(x)):
+    """One iteration of UnusedBranch whose backward ends without spare.*'s gradients (raised
+    there, not at the next forward); (model, reducer, the error's message)."""
+    model = seeded(lambda: __import__("models").UnusedBranch(), 0)
+    reducer = _reducer_for(model, group)
+    out = forward(model, torch.ones(2, 8))
+    reducer.prepare_for_backward(out)
+    with pytest.raises(GradSyncError) as info:
+        out.sum().backward()
+    return model, reducer, str(info.value)
+
+
 def test_backward_that_leaves_a_bucket_unfilled_raises_at_its_end_on_every_rank():
     def body(rank, group):
-        model = seeded(lambda: __import__("models").UnusedBranch(), 0)
-        reducer = _reducer_for(model, group)
-        out = model(torch.ones(2, 8))
-        reducer.prepare_for_backward(out)
-        with pytest.raises(GradSyncError) as info:
-            out.sum().backward()  # spare.* never get a gradient: raised here, not next forward
-        return str(info.value), model.used.weight.grad
+        model, _, message = _backward_missing_spare(group)
+        return message, model.used.weight.grad
 
     for message, grad in run_threaded(body, 2):
         assert "backward ended in iteration 1 with gradients that never came" in message
@@ -221,14 +228,10 @@ def test_backward_that_leaves_a_bucket_unfilled_raises_at_its_end_on_every_rank(
 
 def test_only_the_rank_missing_gradients_names_them_and_every_rank_raises():
     def body(rank, group):
-        model = seeded(lambda: __import__("models").UnusedBranch(), 0)
-        reducer = _reducer_for(model, group)
-        x = torch.ones(2, 8)
-        out = model.out(torch.relu(model.used(x) + (model.spare(x) if rank != 1 else 0)))
-        reducer.prepare_for_backward(out)
-        with pytest.raises(GradSyncError) as info:
-            out.sum().backward()
-        return str(info.value)
+        def forward(model, x):
+            return model.out(torch.relu(model.used(x) + (model.spare(x) if rank != 1 else 0)))
+
+        return _backward_missing_spare(group, forward)[2]
 
     for message in run_threaded(body, 3):
         assert "rank 1: bucket(s) 0: spare.weight, spare.bias" in message
@@ -237,12 +240,7 @@ def test_only_the_rank_missing_gradients_names_them_and_every_rank_raises():
 
 def test_reducer_is_usable_after_a_missing_gradient_error():
     def body(rank, group):
-        model = seeded(lambda: __import__("models").UnusedBranch(), 0)
-        reducer = _reducer_for(model, group)
-        out = model(torch.ones(2, 8))
-        reducer.prepare_for_backward(out)
-        with pytest.raises(GradSyncError):
-            out.sum().backward()
+        model, reducer, _ = _backward_missing_spare(group)
         for p in model.parameters():
             p.grad = None
         out = model(torch.ones(2, 8)) + 0 * model.spare(torch.ones(2, 8)).sum()

@@ -59,12 +59,7 @@ def unfinished_reduction_message(
         f"On rank {rank}, {len(missing)} parameter(s) got no gradient in iteration {iteration}: "
         f"{format_names(missing)}."
     )
-    fixes = [
-        "Pass find_unused_parameters=True so parameters that take no part in the loss are "
-        "detected at every forward (costs a graph walk per iteration).",
-        "Make every parameter take part in the loss, or set requires_grad=False on the ones "
-        "that never train.",
-    ]
+    fixes = _WITHOUT_SEARCH
     if find_unused:
         fixes = [
             "Make sure every tensor forward returns is used in the loss: gradsync walks the "
@@ -79,6 +74,16 @@ def unfinished_reduction_message(
         f"gradients. {detail} Their buckets never filled, so the gradients were not "
         f"all-reduced.\nFixes:\n{numbered}"
     )
+
+
+# What to do about gradients that never came when find_unused_parameters is off.
+_WITHOUT_SEARCH = [
+    "Pass find_unused_parameters=True if some parameters take no part in the loss in some "
+    "iterations or on some ranks (outputs left out of the loss, skipped branches); it costs "
+    "a graph walk per iteration.",
+    "Otherwise make every parameter take part in the loss, or set requires_grad=False on the "
+    "ones that never train.",
+]
 
 
 def missing_gradients_message(
@@ -110,13 +115,7 @@ def missing_gradients_message(
             "with torch.autograd.grad alone: the parameters' .grad must be accumulated.",
         ]
     else:
-        fixes = [
-            "Pass find_unused_parameters=True if some parameters take no part in the loss in "
-            "some iterations or on some ranks (outputs left out of the loss, skipped branches); "
-            "it costs a graph walk per iteration.",
-            "Otherwise make every parameter take part in the loss, or set requires_grad=False "
-            "on the ones that never train.",
-        ]
+        fixes = _WITHOUT_SEARCH
     numbered = "\n".join(f"  {n}. {fix}" for n, fix in enumerate(fixes, 1))
     return (
         f"gradsync: backward ended in iteration {iteration} with gradients that never came, so "

@@ -18,6 +18,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from .timeline import EventKind, IterationTimeline
 
 __all__ = ["EventClock", "last_tokens", "resolve_timeline"]
@@ -33,8 +35,6 @@ class EventClock:
         host_ns: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         if new_event is None or side_stream is None:
-            import torch
-
             stream = torch.cuda.Stream()
             new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
             side_stream = side_stream or (lambda: torch.cuda.stream(stream))
@@ -67,7 +67,7 @@ class EventClock:
         """A reading in nanoseconds (0 stays 0: nothing was recorded). Waits for it if needed."""
         event = self._events.get(token)
         if event is None or self._anchor is None:
-            return token if token == 0 else 0
+            return 0
         anchor, anchor_ns = self._anchor
         if not event.query():
             event.synchronize()

@@ -384,7 +384,7 @@ class Reducer:
                 wire = bucket.wire
             with _profiled(f"gradsync.allreduce.bucket{bucket.index}"):
                 work = bucket.start(self.process_group, wire)
-            if self._device_clock is not None and self._clock is self._device_clock:
+            if self._clock is self._device_clock:  # device time (never None: _no_clock else)
                 self._device_clock.after(work, events, EventKind.COMPLETE, bucket.index)
             else:
                 work.get_future().add_done_callback(
@@ -454,7 +454,7 @@ class Reducer:
         finally:
             self.phase = Phase.REDUCED  # `_marked` kept: a gradient still coming is reported
             timeline.finish_ns = self._clock()
-            if self._device_clock is None or self._clock is not self._device_clock:
+            if self._clock is not self._device_clock:
                 self._publish(timeline)
             else:  # published once its events have passed (`_publish_landed`)
                 self._unresolved.append(timeline)

@@ -53,26 +53,20 @@ _ON_RANKS = {  # command: (module run on every rank, fewest ranks, usage)
 }
 
 
+_ON_RANKS_HELP = {
+    "demo": "train a digit classifier on local ranks and prove the synchronisation",
+    "bench": "gradsync vs torch's DDP on a benchmark set, side by side",
+    "probe": "measure the process group (idle and under load) on local ranks, for simulate",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser(
-        "demo", add_help=False,
-        help="train a digit classifier on local ranks and prove the synchronisation",
-    )
-    demo.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
-    demo.add_argument("-h", "--help", action="store_true")
-    bench = sub.add_parser(
-        "bench", add_help=False, help="gradsync vs torch's DDP on a benchmark set, side by side"
-    )
-    bench.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
-    bench.add_argument("-h", "--help", action="store_true")
-    probe = sub.add_parser(
-        "probe", add_help=False,
-        help="measure the process group (idle and under load) on local ranks, for simulate",
-    )
-    probe.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
-    probe.add_argument("-h", "--help", action="store_true")
+    for name, help_text in _ON_RANKS_HELP.items():  # options after --nproc go to the ranks
+        on_ranks = sub.add_parser(name, add_help=False, help=help_text)
+        on_ranks.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+        on_ranks.add_argument("-h", "--help", action="store_true")
     sim = sub.add_parser(
         "simulate",
         help="predict step time at 2..1024 ranks from a recorded timing profile",
