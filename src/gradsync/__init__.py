@@ -23,6 +23,7 @@ from .observability.trace import chrome_trace, merge_traces, write_chrome_trace
 from .wrapper.ddp import DistributedDataParallel, exclude_from_sync
 from .wrapper.guards import ParameterDivergenceError
 from .wrapper.launch import init_process_group
+from .wrapper.replace import TorchDDPReplacement, patch_torch_ddp
 
 __all__ = [
     "BucketStats",
@@ -39,9 +40,11 @@ __all__ = [
     "Reducer",
     "ReducerConfig",
     "ReductionTimeoutError",
+    "TorchDDPReplacement",
     "compute_bucket_assignment_by_size",
     "exclude_from_sync",
     "init_process_group",
+    "patch_torch_ddp",
 ]
 
 __version__ = "0.1.0"

@@ -584,6 +584,21 @@ class Reducer:
         self._clock = _recording_clock(self.config, self._device_clock)
         self._defer = _defers_reads(self.config, self.process_group)
 
+    def set_static_graph(self) -> None:
+        """Turn static_graph on before the first iteration (torch's `_set_static_graph`): the
+        first iteration then learns the graph, and the rebuild in ready order follows the
+        second. Replaces the search for unused parameters, as the constructor's flag does."""
+        if self.iteration > 0:
+            raise RuntimeError(
+                f"set_static_graph: {self.iteration} iterations have run already; the static "
+                "graph must be known from the first. Pass static_graph=True when wrapping instead."
+            )
+        if self._static is not None:
+            return
+        self.config = dataclasses.replace(self.config, static_graph=True, find_unused_parameters=False)
+        self._static, self._find_unused = StaticGraph(len(self.params)), False
+        self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None
+
     def set_stall_monitor(self, monitor: StallMonitor, timeout: timedelta | None = None) -> None:
         """Report stalls through `monitor` (gradsync's `StallWatchdog`): a log report when the
         end of backward waits longer than its `warn_after`, the error (with the report) after

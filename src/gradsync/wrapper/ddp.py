@@ -14,14 +14,17 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
+import warnings
 import weakref
 from collections.abc import Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.decorators import skip as dynamo_skip
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..engine.bucketing import DEFAULT_BUCKET_CAP_BYTES, DEFAULT_FIRST_BUCKET_BYTES, MIB
@@ -31,6 +34,7 @@ from ..engine.comm import CommHook
 from ..engine.config import ReducerConfig
 from ..engine.errors import GradSyncError
 from ..engine.reducer import Reducer
+from ..engine.timeline import EventKind
 from ..engine.unused import find_tensors, route_through_sink
 from ..observability.log import log, log_iteration
 from ..observability.stats import Stats
@@ -42,11 +46,31 @@ from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .mixed import MixedPrecisionParams
+from .torch_compat import (
+    TorchDDP,
+    TorchNamedReducer,
+    logging_data,
+    refuse_torch_internals,
+    swap_active_ddp_module,
+)
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
 
-class DistributedDataParallel(nn.Module, Joinable):
-    """Data-parallel training of `module`: gradients are averaged across `process_group`."""
+if TYPE_CHECKING:  # typed as what it implements itself, not as torch's class with its C++ reducer
+
+    class _Base(nn.Module, Joinable):
+        pass
+
+else:
+    _Base = TorchDDP
+
+@refuse_torch_internals
+class DistributedDataParallel(_Base):
+    """Data-parallel training of `module`: gradients are averaged across `process_group`.
+
+    A subclass of torch's class, so that frameworks' `isinstance` checks hold, whose
+    constructor is never run: no C++ reducer, no hooks of torch's (`torch_compat`).
+    """
 
     def __init__(
         self,
@@ -71,7 +95,7 @@ class DistributedDataParallel(nn.Module, Joinable):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not torch's DistributedDataParallel.__init__: no C++ reducer
         Joinable.__init__(self)
         self.module = module
         self.process_group = _resolve_group(process_group, device_mesh)
@@ -133,7 +157,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             rebuild_bucket_size_limits=tuple(limits),
         )
-        reducer = Reducer(
+        reducer = TorchNamedReducer(
             params,
             list(reversed(layout)),
             self.process_group,
@@ -142,6 +166,7 @@ class DistributedDataParallel(nn.Module, Joinable):
             expect_sparse_gradient=sparse,
         )
         reducer.iteration_listeners.append(log_iteration)
+        reducer.wrapper = weakref.ref(self)
         return reducer
 
     def _install_guards(self) -> None:
@@ -181,57 +206,83 @@ class DistributedDataParallel(nn.Module, Joinable):
 
     # -------------------------------------------------------------------------- forward
 
+    @dynamo_skip
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         # The order of collectives here is mirrored by a joined rank's DDPJoinHook.main_hook.
+        # Under torch.compile only the wrapped module's forward is compiled, as its own frame:
+        # dynamo skips this one (not what it calls), and the two halves around the module.
         with torch.autograd.profiler.record_function("gradsync.DistributedDataParallel.forward"):
-            sync = torch.is_grad_enabled() and self.require_backward_grad_sync
-            self._placement.check(sample=True)
-            if self.reducer is not None:
-                self.reducer.prepare_for_forward()
-            if self._delayed is not None:
-                self._delayed.enabled = sync
-            active = Join.notify_join_context(self)  # None unless inside join()
-            if self._join_config.enable:  # waited for: a Work dropped unwaited can be freed early
-                wait(all_reduce_flag(self.process_group, sync), "join: backward-sync flag",
-                     self.process_group, DEFAULT_TIMEOUT)
-            self._sync_buffers_from_active_rank(is_active=True)
-            if self.device_ids:
-                inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
-            if self._mixed is not None:
-                self._mixed.cast_down(sync, written_back=sync and self.reducer is not None)
-                inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
-            output = self.module(*inputs, **kwargs)
-            if self._searches_unused() and torch.is_grad_enabled():
-                # As torch's _DDPSink: an output left out of the loss is still visited by
-                # backward (with no gradient), so its parameters count as unused on this rank.
-                output = route_through_sink(output)
-            if self._mixed is not None:  # queued first: full precision is back before write-back
-                self._mixed.restore_after_backward(output)
-            if sync and self._divergence_every and self._syncs % self._divergence_every == 0:
-                self.check_parameters_in_sync()
-            self._syncs += sync
-            self._micro_steps += torch.is_grad_enabled()
-            if sync and self.reducer is not None:
-                if self._auto is not None:
-                    self._auto.maybe_plan(self.reducer)
-                wants_outputs = self.find_unused_parameters or self.static_graph
-                if wants_outputs and torch.is_grad_enabled() and not find_tensors(output):
-                    raise GradSyncError(
-                        f"gradsync: forward returned {type(output).__name__} with no tensor in "
-                        "it. With find_unused_parameters=True (or static_graph=True) gradsync "
-                        "walks the autograd graph from forward's output tensors to see which "
-                        "parameters took part. Return the tensors the loss is computed from "
-                        "(in a tuple, list, dict or dataclass is fine)."
-                    )
-                self.reducer.prepare_for_backward(
-                    output,
-                    divisor=self._divisor(active),
-                    micro_steps=self._micro_steps,
-                )
-            if sync:
-                self._micro_steps = 0
-            self.require_forward_param_sync = sync
-            return output
+            inputs, kwargs, active = self._pre_forward(*inputs, **kwargs)
+            previous = swap_active_ddp_module(self)
+            try:
+                output = self.module(*inputs, **kwargs)
+            finally:
+                swap_active_ddp_module(previous)
+            return self._post_forward(output, active)
+
+    @torch.compiler.disable
+    def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any, dist.Work | None]:
+        sync = torch.is_grad_enabled() and self.require_backward_grad_sync
+        self._placement.check(sample=True)
+        if self.reducer is not None:
+            self.reducer.prepare_for_forward()
+        if self._delayed is not None:
+            self._delayed.enabled = sync
+        active = Join.notify_join_context(self)  # None unless inside join()
+        if self._join_config.enable:  # waited for: a Work dropped unwaited can be freed early
+            wait(all_reduce_flag(self.process_group, sync), "join: backward-sync flag",
+                 self.process_group, DEFAULT_TIMEOUT)
+        self._sync_buffers_from_active_rank(is_active=True)
+        if self.device_ids:
+            inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
+        if self._mixed is not None:
+            self._mixed.cast_down(sync, written_back=sync and self.reducer is not None)
+            inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
+        return inputs, kwargs, active
+
+    @torch.compiler.disable
+    def _post_forward(self, output: Any, active: dist.Work | None) -> Any:
+        grad = torch.is_grad_enabled()
+        # Read again after the module ran, as torch does: Lightning's manual optimisation turns
+        # it off inside forward and prepares the backward itself (reducer.prepare_for_backward).
+        sync = grad and self.require_backward_grad_sync
+        if self._searches_unused() and grad:
+            # As torch's _DDPSink: an output left out of the loss is still visited by
+            # backward (with no gradient), so its parameters count as unused on this rank.
+            output = route_through_sink(output)
+        if self._mixed is not None:  # queued first: full precision is back before write-back
+            self._mixed.restore_after_backward(output)
+        if sync and self._divergence_every and self._syncs % self._divergence_every == 0:
+            self.check_parameters_in_sync()
+        self._syncs += sync
+        self._micro_steps += grad
+        if sync and self.reducer is not None:
+            if self._auto is not None:
+                self._auto.maybe_plan(self.reducer)
+            self._check_outputs_hold_tensors(output)
+            self.reducer.prepare_for_backward(
+                output, divisor=self._divisor(active), micro_steps=self._take_micro_steps()
+            )
+        elif sync:
+            self._micro_steps = 0
+        self.require_forward_param_sync = sync
+        return output
+
+    def _check_outputs_hold_tensors(self, output: Any) -> None:
+        wants_outputs = self.find_unused_parameters or self.static_graph
+        if wants_outputs and torch.is_grad_enabled() and not find_tensors(output):
+            raise GradSyncError(
+                f"gradsync: forward returned {type(output).__name__} with no tensor in "
+                "it. With find_unused_parameters=True (or static_graph=True) gradsync "
+                "walks the autograd graph from forward's output tensors to see which "
+                "parameters took part. Return the tensors the loss is computed from "
+                "(in a tuple, list, dict or dataclass is fine)."
+            )
+
+    def _take_micro_steps(self) -> int:
+        """The forwards this synchronisation covers (with grad, since the last one); reset."""
+        steps, self._micro_steps = self._micro_steps, 0
+        return steps
 
     def _divisor(self, active_ranks: dist.Work | None) -> int | None:
         """Average over the ranks still training, if join(divide_by_initial_world_size=False)."""
@@ -408,6 +459,57 @@ class DistributedDataParallel(nn.Module, Joinable):
     def _set_params_and_buffers_to_ignore_for_model(module: nn.Module, names: list[str]) -> None:
         """torch's name for `gradsync.exclude_from_sync`, so existing code keeps working."""
         exclude_from_sync(module, names)
+
+    # ------------------------------------------------- torch's names, for frameworks
+
+    @property
+    def bucket_bytes_cap(self) -> int:
+        """torch's attribute: the bucket size in bytes. dynamo's DDPOptimizer splits a compiled
+        graph at this size; planned layouts (bucket_cap_mb="auto") give their largest bucket."""
+        if self._auto is not None and self.reducer is not None and self.reducer.rebuilt:
+            return max(bucket.nbytes for bucket in self.reducer.buckets)
+        return self._limits[0][-1]
+
+    def _get_ddp_logging_data(self) -> dict[str, Any]:
+        """torch's summary of this wrapper (keys as torch's, where they mean something here),
+        with gradsync's own figures; Lightning reads `can_set_static_graph` at teardown."""
+        return logging_data(self)
+
+    def _set_ddp_runtime_logging_sample_rate(self, sample_rate: int) -> None:
+        if sample_rate < 1:
+            raise ValueError(f"DDP runtime logging sample rate should be >= 1, got {sample_rate}")
+        # gradsync times every iteration (`stats()`); there is no sampling to set.
+
+    def _set_static_graph(self) -> None:
+        """torch's late switch to static_graph=True: before the first iteration only."""
+        if self.static_graph:
+            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            return
+        if self.reducer is not None:
+            self.reducer.set_static_graph()
+        self.static_graph = True
+
+    def _register_builtin_comm_hook(self, comm_hook_type: Any) -> None:
+        """torch's built-in hooks by name (`dist.BuiltinCommHookType`), as Python hooks."""
+        hooks = {
+            dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+            dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
+        }
+        if comm_hook_type not in hooks:
+            raise ValueError(f"unknown built-in communication hook {comm_hook_type!r}; known: {list(hooks)}")
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts the buffers (torch's name)."""
+        return self._should_sync_buffers()
+
+    def _graph_was_static(self) -> bool:
+        """As torch's `can_set_static_graph`: unused-parameter search is on (not a static
+        graph) and every recent iteration left the same parameters unused."""
+        if self.reducer is None or not self.reducer.history:
+            return False
+        unused = [frozenset(t.times(EventKind.UNUSED)) for t in self.reducer.history]
+        return len(set(unused)) == 1
 
     # ----------------------------------------------------------------------------- join
 

@@ -1,0 +1,186 @@
+"""What frameworks reach for on a torch DDP object, answered by gradsync's wrapper.
+
+HF Trainer (through Accelerate), Lightning, Fabric and Composer build
+`torch.nn.parallel.DistributedDataParallel` themselves, test `isinstance` against it, and then
+call into it: `no_sync`, `require_backward_grad_sync`, `_get_ddp_logging_data()`, and, on
+`ddp.reducer`, the C++ Reducer's `prepare_for_backward`, `_rebuild_buckets` and
+`_delay_all_reduce`. gradsync's wrapper is a subclass of torch's class (so the checks pass) that
+never runs torch's constructor (so no C++ reducer, no second set of hooks). This module holds
+the pieces of that: torch's reducer method names on gradsync's Reducer, the logging data,
+and clear errors for the parts of torch's class that belong to its C++ reducer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+# torch's own class, imported before anything could replace the name (`patch_torch_ddp`).
+from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
+
+from ..engine.reducer import Phase, Reducer
+
+if TYPE_CHECKING:
+    from .ddp import DistributedDataParallel
+
+__all__ = ["TorchDDP", "TorchNamedReducer", "logging_data", "refuse_torch_internals", "swap_active_ddp_module"]
+
+# torch's methods that need nothing of its constructor's state; inherited as they are.
+_INHERITED = frozenset({
+    "_get_active_ddp_module", "_get_data_parallel_params", "_active_ddp_module", "scatter",
+    "gather", "to_kwargs", "train", "broadcast_buffers", "_distributed_rank",
+})
+
+
+def refuse_torch_internals(cls: type) -> type:
+    """Class decorator: every method or property of torch's class that `cls` does not define
+    itself (and that needs torch's constructor) raises an error naming it, instead of an
+    AttributeError from deep inside torch's code."""
+    own = {name for klass in cls.__mro__[: cls.__mro__.index(TorchDDP)] for name in vars(klass)}
+    for name, member in vars(TorchDDP).items():
+        if name in own or name in _INHERITED or name.startswith("__") or name.startswith("_abc"):
+            continue
+        if callable(member) or isinstance(member, (property, staticmethod, classmethod)):
+            setattr(cls, name, _refusal(f"DistributedDataParallel.{name}", isinstance(member, property)))
+    return cls
+
+
+def _refuse_cxx_reducer_methods(cls: type) -> type:
+    """The same for the C++ Reducer's methods on `ddp.reducer`. (Not a `__getattr__`: defining
+    one slows every attribute read of the reducer, and its hooks read many.)"""
+    cxx = torch._C._distributed_c10d.Reducer
+    for name in dir(cxx):
+        if not name.startswith("__") and not name.startswith("_pybind") and not hasattr(cls, name):
+            setattr(cls, name, _refusal(f"reducer.{name}", False))
+    return cls
+
+
+def _refusal(what: str, is_property: bool) -> Any:
+    def refuse(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"gradsync: {what} belongs to torch's C++-reducer implementation, which gradsync "
+            "replaces, and gradsync does not provide it. If a framework needs it, please report "
+            "which framework and where."
+        )
+
+    refuse.__name__ = what.rpartition(".")[2]
+    return property(refuse) if is_property else refuse
+
+
+@_refuse_cxx_reducer_methods
+class TorchNamedReducer(Reducer):
+    """gradsync's Reducer as `ddp.reducer`, answering the C++ Reducer's methods frameworks call.
+
+    Lightning's manual optimisation and Accelerate's `trigger_sync_in_backward` call
+    `prepare_for_backward(outputs)` themselves after a forward that did not prepare: the
+    forwards counted since the last synchronisation (the accumulation check) come from the
+    wrapper then.
+    """
+
+    wrapper: weakref.ref[DistributedDataParallel] | None = None
+
+    def prepare_for_backward(
+        self, outputs: object = None, divisor: int | None = None, micro_steps: int | None = None
+    ) -> None:
+        if micro_steps is None:  # torch's form, from a framework: reducer.prepare_for_backward(outputs)
+            owner = self.wrapper() if self.wrapper is not None else None
+            micro_steps = owner._take_micro_steps() if owner is not None else 1
+        super().prepare_for_backward(outputs, divisor, micro_steps)
+
+    def _rebuild_buckets(self) -> bool:
+        """torch: rebuild the buckets in ready order if due; True if it happened now.
+        gradsync rebuilds at `prepare_for_backward` anyway; doing it here first is the same."""
+        if self.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED) or self.rebuilt:
+            return False
+        self._rebuild_if_due()
+        return self.rebuilt
+
+    def _delay_all_reduce(self) -> None:
+        """torch: the static graph's first iteration reduces everything at its end. gradsync
+        does that itself when that backward ends; called again it has nothing left to do,
+        unless backward is still running (then it finishes the iteration now, as torch's)."""
+        learning = self._static is not None and self._static.learning
+        if learning and self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            self._end_of_backward()
+
+    def _set_static_graph(self) -> None:
+        self.set_static_graph()
+
+
+
+@torch.compiler.disable
+def swap_active_ddp_module(ddp: DistributedDataParallel | None) -> DistributedDataParallel | None:
+    """Make `ddp` the DDP module whose forward runs, where dynamo looks for it (torch's own
+    class attribute, whatever the name `DistributedDataParallel` points to now); return the
+    one before. A graph compiled meanwhile is split at bucket boundaries (DDPOptimizer), so
+    its gradients come out bucket by bucket and communication overlaps the rest of backward."""
+    previous = TorchDDP._active_ddp_module
+    TorchDDP._active_ddp_module = ddp  # type: ignore[assignment]
+    return previous  # type: ignore[return-value]
+
+
+def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """torch's `_get_ddp_logging_data()` keys (those that mean something here), and gradsync's."""
+    reducer, group = ddp.reducer, ddp.process_group
+    params = [p for _, p in ddp._named_params]
+    layout = reducer.bucket_indices if reducer is not None else []
+    sizes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in layout]
+    data: dict[str, Any] = {
+        "world_size": group.size(),
+        "rank": group.rank(),
+        "module_name": type(ddp.module).__name__,
+        "backend_name": _backend(group),
+        "device_ids": ", ".join(str(d) for d in ddp.device_ids or []),
+        "output_device": ddp.output_device.index if ddp.output_device is not None else -1,
+        "dtypes": ", ".join(sorted({str(p.dtype).removeprefix("torch.") for p in params})),
+        "bucket_cap_bytes": ddp.bucket_bytes_cap,
+        "find_unused_parameters": int(ddp.find_unused_parameters),
+        "gradient_as_bucket_view": int(ddp.gradient_as_bucket_view),
+        "broadcast_buffers": int(ddp.forward_sync_buffers),
+        "is_multi_device_module": int(len({p.device for p in params}) > 1),
+        "num_parameter_tensors": len(params),
+        "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
+        "bucket_sizes": ", ".join(str(s) for s in sizes),
+        "has_rebuilt_buckets": int(bool(reducer is not None and reducer.rebuilt and reducer.iteration)),
+        "iteration": reducer.iteration if reducer is not None else 0,
+        "join_uneven_inputs": int(ddp._join_config.enable),
+        "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
+        "gradsync": 1,
+    }
+    if ddp.static_graph:  # torch's keys that appear only when they are set
+        data["static_graph"] = 1
+    if reducer is not None and reducer.comm_hook is not None:
+        data["comm_hook"] = _hook_name(reducer.comm_hook[1])
+    if ddp._searches_unused():  # as torch: only where the graph is searched each iteration
+        data["can_set_static_graph"] = int(ddp._graph_was_static())
+    if reducer is not None and reducer.history:
+        data.update(_timing_figures(ddp))
+    return data
+
+
+def _timing_figures(ddp: DistributedDataParallel) -> dict[str, Any]:
+    """torch's average times (nanoseconds) where gradsync measures the same, and its own."""
+    stats = ddp.stats()
+    ns = {f: int(stats.median(f) * 1e6) for f in ("backward_ms", "comm_ms", "exposed_comm_ms")}
+    return {
+        "avg_backward_compute_time": ns["backward_ms"],
+        "avg_backward_comm_time": ns["comm_ms"],
+        "avg_backward_compute_comm_overlap_time": max(ns["comm_ms"] - ns["exposed_comm_ms"], 0),
+        "gradsync_exposed_comm_time": ns["exposed_comm_ms"],
+        "gradsync_overlap_ratio": round(stats.median("overlap_ratio"), 4),
+    }
+
+
+def _backend(group: dist.ProcessGroup) -> str:
+    try:
+        return str(dist.get_backend(group))
+    except (RuntimeError, ValueError):  # a group made outside torch.distributed's registry
+        return group.name() if hasattr(group, "name") else type(group).__name__
+
+
+def _hook_name(hook: Callable[..., Any]) -> str:
+    return getattr(hook, "__qualname__", type(hook).__name__)
