@@ -177,29 +177,30 @@ def test_on_a_saturated_cpu_host_the_plan_is_one_bucket_priced_under_load():
         assert_records_equal(ours, theirs, exact=True, what="auto (saturated) vs torch")
 
 
-def test_a_saturated_host_is_detected_from_its_ranks_threads_and_cores(monkeypatch):
-    import os
+def test_contention_share_reads_overlap_from_the_three_times():
+    from gradsync.planning.planner import Contention
 
+    assert Contention(10.0, 10.0, 10.0).share == 0.0  # the all-reduce hid behind compute
+    assert Contention(10.0, 10.0, 20.0).share == 1.0  # they took turns
+    assert Contention(10.0, 4.0, 12.0).share == 0.5 and not Contention(10.0, 4.0, 12.0).saturated
+    assert Contention(10.0, 4.0, 13.0).share == 0.75 and not Contention(10.0, 4.0, 13.0).saturated
+    assert Contention(10.0, 4.0, 13.5).saturated
+    assert Contention(10.0, 4.0, 30.0).share == 1.0 and Contention(0.0, 4.0, 4.0).share == 0.0
+
+
+def test_contention_is_measured_and_agreed_by_every_rank():
     import torch
 
-    from gradsync import Reducer
-    from gradsync.planning.autoplan import AutoBuckets
+    from gradsync.planning.planner import measure_contention
     from gradsync.testing import run_threaded
 
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    def body(rank, group):
+        return measure_contention(group, 1 << 20, repeats=2)
 
-    def body(rank, group, cores):
-        monkeypatch.setattr(os, "cpu_count", lambda: cores)
-        reducer = Reducer([torch.nn.Parameter(torch.ones(3))], [[0]], group)
-        return AutoBuckets()._host_saturated(reducer)
-
-    assert torch.get_num_threads() == 1  # conftest
-    assert run_threaded(body, 2, 4) == [True, True]  # 4 ranks x 1 thread on 4 cores
-    assert run_threaded(body, 2, 8) == [False, False]
-    # Without torchrun (mp.spawn, or these threads): the ranks sharing this host's name count.
-    monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert run_threaded(body, 2, 2) == [True, True]  # 2 ranks here x 1 thread on 2 cores
-    assert run_threaded(body, 2, 3) == [False, False]
+    first, second = run_threaded(body, 2)
+    assert first == second  # every rank plans from the same verdict
+    assert min(first.compute_ms, first.allreduce_ms, first.together_ms) > 0
+    assert 0.0 <= first.share <= 1.0 and torch.get_num_threads() == 1
 
 
 def _forced_revert(rank, group):

@@ -15,8 +15,10 @@
 4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
-On a saturated CPU host (CPU gradients, and the host's ranks x intra-op threads >= cores), where
-gloo's threads compete with backward for every core, the cost is probed under load
+On a saturated CPU host, where gloo's threads compete with backward for every core (measured:
+an all-reduce of the gradients' size, alone and during a compute loop, `measure_contention`;
+on loopback with every core computing it takes turns with compute, over a slow link it hides
+behind it), the cost is probed under load
 (`probe_under_load`) and priced serially: each all-reduce adds to the step, nothing hides, so
 the plan is one bucket per dtype and device. Elsewhere the probe is idle and the plan
 overlaps communication with backward.
@@ -25,19 +27,19 @@ overlaps communication with backward.
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import statistics
 
 import torch
 import torch.distributed as dist
 
-from ..engine.collectives import all_gather_objects, all_reduce
+from ..engine.collectives import all_reduce
 from ..engine.reducer import Reducer
 from ..engine.timeline import EventKind, IterationTimeline
 from ..observability.log import log
 from .planner import (
+    Contention,
     CostModel,
+    measure_contention,
     plan_buckets,
     predict_finish_ms,
     probe_cost_model,
@@ -75,6 +77,9 @@ class BucketPlan:
     """How many times timings drifted and the plan was made again before this one."""
     saturated: bool = False
     """Planned for a saturated CPU host: cost probed under load, nothing overlapping."""
+    contention: float | None = None
+    """The measured share of an all-reduce that competes with compute (0: hides entirely,
+    1: takes turns with it; `planner.measure_contention`), None if not measured."""
 
     def __str__(self) -> str:
         if self.kept is None:
@@ -92,6 +97,7 @@ class BucketPlan:
             f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
             f"{self.default_finish_ms:.3f} ms; measured {after} ms vs "
             f"{self.measured_before_ms:.3f} ms ({verdict}; trial medians ms: {trial or '-'}); "
+            f"{'' if self.contention is None else f'contention {self.contention:.2f}, '}"
             f"all-reduce{' under load (saturated CPU host)' if self.saturated else ''} ≈ "
             f"{self.cost.alpha_ms:.3f} ms + {self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
         )
@@ -148,7 +154,8 @@ class AutoBuckets:
         ready = self._agreed_ready_ms(reducer)
         buffer = reducer.buckets[0].buffer
         nbytes = [p.numel() * p.element_size() for p in reducer.params]
-        saturated = self._host_saturated(reducer)
+        contention = self._contention(reducer, sum(nbytes))
+        saturated = self.saturated if self.saturated is not None else bool(contention and contention.saturated)
         if saturated:
             cost = probe_under_load(reducer.process_group, buffer.dtype, probe_sizes(sum(nbytes))).cost
         else:
@@ -161,6 +168,7 @@ class AutoBuckets:
             planned, cost, predict_finish_ms(ready, nbytes, planned, cost, saturated),
             predict_finish_ms(ready, nbytes, current, cost, saturated), reducer.iteration, current, before,
             replans=self.plan.replans + 1 if self.plan is not None else 0, saturated=saturated,
+            contention=contention.share if contention is not None else None,
         )
         layouts = {CURRENT: current}
         # On a saturated host an overlapping plan is what the measured model rules out: only
@@ -228,22 +236,15 @@ class AutoBuckets:
             log.info("rank %d: step time drifted x%.2f since the plan; planning again", reducer.rank, ratio)
             self._start(reducer)
 
-    def _host_saturated(self, reducer: Reducer) -> bool:
-        """CPU gradients, and at least as many compute threads on this host as cores: its ranks
-        (torchrun's LOCAL_WORLD_SIZE; otherwise the ranks that share this host's name, as under
-        mp.spawn) times `torch.get_num_threads()`. Agreed, so all ranks plan alike."""
-        if self.saturated is not None:
-            return self.saturated
-        if reducer.buckets[0].buffer.device.type != "cpu":
-            return False  # every rank's gradients live alike: no collective needed to agree
-        local = os.environ.get("LOCAL_WORLD_SIZE")
-        if local is None:
-            hosts = all_gather_objects(reducer.process_group, socket.gethostname())
-            ranks_here = hosts.count(socket.gethostname())
-        else:
-            ranks_here = int(local)
-        mine = ranks_here * torch.get_num_threads() >= (os.cpu_count() or 1)
-        return _agreed_max(reducer, [float(mine)])[0] > 0
+    def _contention(self, reducer: Reducer, nbytes: int) -> Contention | None:
+        """Measured, not guessed from host names and core counts: does an all-reduce of about
+        the gradients' size hide behind compute, or take turns with it for the cores (gloo on
+        a CPU whose cores all compute)? Agreed, so all ranks plan alike. Not measured on a GPU
+        (its collectives do not run on the host's cores) or when `saturated` is forced."""
+        if self.saturated is not None or reducer.buckets[0].buffer.device.type != "cpu":
+            return None
+        size = min(max(nbytes, 1 << 20), 16 << 20)
+        return measure_contention(reducer.process_group, size, timeout=reducer.config.timeout)
 
     def _agreed_ready_ms(self, reducer: Reducer) -> list[float]:
         recent = list(reducer.history)[-self.window :]

@@ -20,7 +20,7 @@ import dataclasses
 import json
 import statistics
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +31,7 @@ from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, wait
 
 __all__ = [
     "CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model",
-    "LoadProbe", "probe_under_load", "probe_sizes",
+    "LoadProbe", "probe_under_load", "probe_sizes", "Contention", "measure_contention",
 ]
 
 
@@ -198,6 +198,64 @@ def probe_under_load(
     # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
     cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
     return LoadProbe(group.size(), cost, compute_ms, step_ms)
+
+
+@dataclasses.dataclass(frozen=True)
+class Contention:
+    """Whether collectives compete with compute here: times (ms, the slowest rank's) of a
+    compute loop alone, an all-reduce alone, and both at once."""
+
+    compute_ms: float
+    allreduce_ms: float
+    together_ms: float
+
+    @property
+    def share(self) -> float:
+        """0: the all-reduce hides behind compute entirely (it waits on a link); 1: nothing
+        overlaps, the two take turns on the cores (gloo on a CPU whose cores all compute)."""
+        shorter = min(self.compute_ms, self.allreduce_ms)
+        if shorter <= 0:
+            return 0.0
+        return min(max((self.together_ms - max(self.compute_ms, self.allreduce_ms)) / shorter, 0.0), 1.0)
+
+    @property
+    def saturated(self) -> bool:
+        """Mostly taking turns. Short of that, overlap still gains something, and the trial
+        (which tries one bucket too) measures how much."""
+        return self.share > 0.8
+
+
+def measure_contention(
+    group: dist.ProcessGroup, nbytes: int, repeats: int = 5, timeout: timedelta = DEFAULT_TIMEOUT
+) -> Contention:
+    """Measure, rather than guess from host names and core counts, whether an all-reduce of
+    `nbytes` overlaps computation: a loop of matrix products as long as the all-reduce, alone,
+    then with the all-reduce started at its beginning. Every rank gets the same result."""
+    a = torch.randn(96, 96)
+    t = torch.zeros(max(nbytes // 4, 1))
+    wait(group.allreduce([t]), "contention probe", group, timeout)  # warm-up
+
+    def timed(fn: Callable[[], None]) -> float:
+        samples = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples)
+
+    alone = timed(lambda: wait(group.allreduce([t]), "contention probe", group, timeout))
+    products = max(int(alone * 1e-3 / _seconds_per_product(a, group, timeout)), 1)
+    compute = timed(lambda: _busy(a, products))
+
+    def both() -> None:
+        work = group.allreduce([t])
+        _busy(a, products)
+        wait(work, "contention probe", group, timeout)
+
+    together = timed(both)
+    agreed = torch.tensor([compute, alone, together], dtype=torch.float64)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "contention agreement", timeout)
+    return Contention(*agreed.tolist())
 
 
 def _settle(device: torch.device) -> None:

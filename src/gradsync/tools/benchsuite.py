@@ -170,11 +170,19 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
         "",
         f"all-reduce here ≈ {cost.alpha_ms:.3f} ms + {cost.beta_ms_per_byte * 2**20:.3f} ms/MiB "
         f"({cost.bandwidth_gbps:.2f} GB/s); communication floor for this model: {floor:.2f} ms",
+        _floor_line(result, floor),
         "same parameters as torch DDP (max |diff|): "
         + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
         *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
     ]
     return "\n".join(lines)
+
+
+def _floor_line(result: Comparison, comm_ms: float) -> str:
+    """The best a step can be: compute and communication overlapped perfectly."""
+    floor = max(result.median("compute only") * 1e3, comm_ms)
+    shares = ", ".join(f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only")
+    return f"floor max(compute, communication) = {floor:.2f} ms; step time / floor: {shares}"
 
 
 def chart(results: dict[str, dict], path: Path) -> Path:
@@ -238,6 +246,7 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "allreduce_alpha_ms": d["cost"].alpha_ms,
             "allreduce_ms_per_mib": d["cost"].beta_ms_per_byte * 2**20,
             "max_param_diff_to_torch": d["same"],
+            "floor_ms": max(d["result"].median("compute only") * 1e3, d["cost"].time_ms(d["nbytes"])),
         }
         for m, d in results.items()
     }

@@ -25,7 +25,28 @@ def _run_on_ranks(args: argparse.Namespace, rest: list[str]) -> int:
     if args.nproc < fewest:
         raise SystemExit(f"gradsync {args.command}: --nproc must be at least {fewest}, got {args.nproc}")
     module.parse_args(rest)  # bad values fail here, once, before any rank starts
+    if getattr(args, "hosts", None):
+        return _launch_on_cluster(args, module_name, rest)
     return _launch(args.nproc, module_name, rest, args.command)
+
+
+def _launch_on_cluster(args: argparse.Namespace, module: str, rest: list[str]) -> int:
+    """One rank per emulated host (`gradsync.tools.cluster`), each on its own shaped link."""
+    from .cluster import ClusterUnavailable, EmulatedCluster
+
+    links = args.link.split(",") if "," in args.link else args.link
+    try:
+        with EmulatedCluster(args.hosts, links) as cluster:
+            print(f"gradsync {args.command}: on {cluster}", flush=True)
+            done = cluster.torchrun(["-m", module, *rest], nproc_per_host=args.nproc_per_host,
+                                    timeout=args.cluster_timeout)
+    except ClusterUnavailable as e:
+        raise SystemExit(f"gradsync {args.command} --hosts: {e}") from e
+    print(done[0].stdout, flush=True)  # rank 0's host: the tables
+    for i, proc in enumerate(done[1:], 1):
+        if proc.returncode:
+            print(f"--- host {i} (exit {proc.returncode}):\n{proc.stdout[-4000:]}", file=sys.stderr)
+    return max(proc.returncode for proc in done)
 
 
 def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:
@@ -67,6 +88,12 @@ def main(argv: list[str] | None = None) -> int:
         on_ranks = sub.add_parser(name, add_help=False, help=help_text)
         on_ranks.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
         on_ranks.add_argument("-h", "--help", action="store_true")
+        if name == "bench":  # the emulated cluster: one host per rank, each on a shaped link
+            on_ranks.add_argument("--hosts", type=int, default=0,
+                                  help="run on an emulated cluster of N hosts (2-4; needs root)")
+            on_ranks.add_argument("--link", default="2gbit", help="each host's link rate (default 2gbit)")
+            on_ranks.add_argument("--nproc-per-host", type=int, default=1)
+            on_ranks.add_argument("--cluster-timeout", type=float, default=3600.0)
     sim = sub.add_parser(
         "simulate",
         help="predict step time at 2..1024 ranks from a recorded timing profile",

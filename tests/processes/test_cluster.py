@@ -1,0 +1,153 @@
+"""The emulated cluster (`gradsync.tools.cluster`): hosts with their own names and shaped links
+that build and tear down on every way out, and a short planned run on it, exact against torch's
+DDP through every layout switch. Needs root, iproute2 and util-linux; skipped, saying which is
+missing, elsewhere."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gradsync.tools.cluster import (
+    PREFIX,
+    ClusterUnavailable,
+    EmulatedCluster,
+    parse_rate,
+    remove_stale,
+)
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "train_parity.py")
+
+
+def _ours() -> list[str]:
+    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    return [line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)]
+
+
+@pytest.fixture
+def cluster_or_skip():
+    def build(*args, **kwargs) -> EmulatedCluster:
+        cluster = EmulatedCluster(*args, **kwargs)
+        try:
+            cluster.build()
+        except ClusterUnavailable as e:
+            pytest.skip(str(e))
+        return cluster
+
+    return build
+
+
+def test_link_rates_parse_as_tc_writes_them():
+    assert parse_rate("2gbit") == 2e9 and parse_rate("500mbit") == 5e8 and parse_rate("1.5gbit") == 1.5e9
+    with pytest.raises(ValueError, match="2gbit"):
+        parse_rate("fast")
+    with pytest.raises(ValueError, match="2 to 4 hosts"):
+        EmulatedCluster(hosts=5)
+    with pytest.raises(ValueError, match="one per host"):
+        EmulatedCluster(hosts=3, link=["1gbit", "2gbit"])
+
+
+SERVE = ("import socket; s = socket.create_server(('{}', 5555)); print('listening', flush=True); "
+         "c, _ = s.accept(); c.sendall(socket.gethostname().encode()); c.close()")
+ASK = "import socket; print(socket.create_connection(('{}', 5555), timeout=20).recv(100).decode())"
+
+
+@pytest.mark.timeout(120)
+def test_hosts_have_their_own_names_addresses_and_rates_and_are_removed_after(cluster_or_skip):
+    cluster = cluster_or_skip(3, ["2gbit", "1gbit", "500mbit"])
+    try:
+        seen = []
+        for i, host in enumerate(cluster.hosts):
+            out = subprocess.run(cluster.command(i, ["sh", "-c", "hostname; ip -4 -o addr show eth0; tc qdisc show dev eth0"]),
+                                 capture_output=True, text=True, timeout=30)
+            assert out.returncode == 0, out.stderr
+            seen.append(out.stdout)
+            assert out.stdout.splitlines()[0] == host.hostname
+            assert f"{host.address}/24" in out.stdout
+        assert re.search(r"tbf .*rate 2Gbit", seen[0]) and re.search(r"rate 1Gbit", seen[1])
+        assert re.search(r"rate 500Mbit", seen[2])
+        server = subprocess.Popen(cluster.command(0, [sys.executable, "-c", SERVE.format(cluster.hosts[0].address)]),
+                                  stdout=subprocess.PIPE, text=True)
+        assert server.stdout.readline().strip() == "listening"
+        client = subprocess.run(cluster.command(2, [sys.executable, "-c", ASK.format(cluster.hosts[0].address)]),
+                                capture_output=True, text=True, timeout=30)
+        server.wait(timeout=30)
+        assert client.stdout.strip() == "gradsync-host0", client.stderr  # across the switch
+        assert len([n for n in _ours() if n.startswith(f"{PREFIX}{os.getpid()}-")]) == 4  # 3 hosts, switch
+    finally:
+        cluster.remove()
+    assert not [n for n in _ours() if n.startswith(f"{PREFIX}{os.getpid()}-")]
+
+
+@pytest.mark.timeout(120)
+def test_an_exception_inside_the_block_still_removes_everything(cluster_or_skip):
+    cluster_or_skip(2).remove()  # skips where the cluster cannot be built
+    with pytest.raises(RuntimeError, match="inside"):
+        with EmulatedCluster(2):
+            assert _ours()
+            raise RuntimeError("inside")
+    assert not [n for n in _ours() if n.startswith(f"{PREFIX}{os.getpid()}-")]
+
+
+BUILD_AND_WAIT = (
+    "import sys, time\n"
+    "from gradsync.tools.cluster import EmulatedCluster\n"
+    "EmulatedCluster(2).build()\n"
+    "print('built', flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_owner_leaves_nothing_behind(cluster_or_skip, how):
+    cluster_or_skip(2).remove()
+    owner = subprocess.Popen([sys.executable, "-c", BUILD_AND_WAIT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "built"
+        mine = [n for n in _ours() if n.startswith(f"{PREFIX}{owner.pid}-")]
+        assert len(mine) == 3
+        owner.send_signal(getattr(signal, how))
+        owner.wait(timeout=30)
+    finally:
+        if owner.poll() is None:
+            owner.kill()
+    if how == "SIGKILL":  # no handler runs: the next cluster's build removes them
+        time.sleep(0.2)
+        assert set(mine) <= set(remove_stale())
+    assert not [n for n in _ours() if n.startswith(f"{PREFIX}{owner.pid}-")]
+
+
+@pytest.mark.timeout(300)
+def test_a_planned_run_on_two_hosts_at_2gbit_matches_torch_ddp_step_for_step(cluster_or_skip):
+    cluster = cluster_or_skip(2, "2gbit")
+    try:
+        done = cluster.torchrun([SCRIPT, "30", "-", "auto"], timeout=240, env={"OMP_NUM_THREADS": "1"})
+    finally:
+        cluster.remove()
+    report = "\n".join(f"--- host {i} (exit {d.returncode}):\n{d.stdout[-3000:]}" for i, d in enumerate(done))
+    assert all(d.returncode == 0 for d in done), report
+    for rank, d in enumerate(done):
+        assert f"rank {rank}: 30 steps matched torch DDP exactly" in d.stdout, report
+        assert re.search(rf"rank {rank}: planned \d+ buckets .*\((kept|reverted)", d.stdout), report
+
+
+@pytest.mark.timeout(480)
+def test_gradsync_bench_runs_on_the_cluster(cluster_or_skip, tmp_path):
+    cluster_or_skip(2).remove()
+    out = subprocess.run(
+        [sys.executable, "-m", "gradsync.tools.cli", "bench", "--hosts", "2", "--link", "2gbit",
+         "--quick", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=450,
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "on EmulatedCluster(gradsync-host0 10.78.0.1 @ 2gbit" in out.stdout
+    table = (tmp_path / "bench.md").read_text()
+    assert "floor max(compute, communication)" in table and "| gradsync planned |" in table
+    assert remove_stale() == []  # the bench removed its cluster itself
