@@ -10,7 +10,16 @@ tier: the folder it lives in (pure/, threaded/, processes/), unless it says othe
 import os
 import sys
 
-import torch
+# No AMX tiles in oneDNN (before torch's first matrix product reads it). On this project's
+# machine, a nested virtual machine, the first AMX use in a process (a tile-state permission
+# the kernel grants, then per-thread state it allocates on first use) disturbed other threads:
+# a rank thread's tanh came out wrong (#14, see gradsync.testing._first_linear_here) and, about
+# once per thousand threaded fuzz cases, a gloo thread died of a general-protection fault on a
+# garbage pointer (libtorch_cpu `gloo::ring`+845, reading the options' output buffer). Both
+# reducers run the same kernels either way; parity is unaffected.
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX512_CORE_BF16")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 torch.set_num_threads(1)
