@@ -151,3 +151,21 @@ def test_gradsync_bench_runs_on_the_cluster(cluster_or_skip, tmp_path):
     table = (tmp_path / "bench.md").read_text()
     assert "floor max(compute, communication)" in table and "| gradsync planned |" in table
     assert remove_stale() == []  # the bench removed its cluster itself
+
+
+@pytest.mark.timeout(120)
+def test_a_run_past_its_deadline_is_killed_on_every_host(cluster_or_skip, tmp_path):
+    cluster = cluster_or_skip(2, "2gbit")
+    script = tmp_path / "hang.py"
+    script.write_text("import time\ntime.sleep(600)\n")
+    try:
+        start = time.monotonic()
+        done = cluster.torchrun([str(script)], timeout=8)
+        took = time.monotonic() - start
+    finally:
+        cluster.remove()
+    assert took < 60 and all(d.returncode != 0 for d in done)
+    assert all("killed after 8 s" in d.stdout for d in done)
+    cli = subprocess.run([sys.executable, "-m", "gradsync.tools.cluster", "--timeout", "3", "--", "sleep", "600"],
+                         capture_output=True, text=True, timeout=60)
+    assert cli.returncode != 0 and "killed after 3 s" in cli.stderr

@@ -170,7 +170,7 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
         "",
         f"all-reduce here ≈ {cost.alpha_ms:.3f} ms + {cost.beta_ms_per_byte * 2**20:.3f} ms/MiB "
         f"({cost.bandwidth_gbps:.2f} GB/s); communication floor for this model: {floor:.2f} ms",
-        _floor_line(result, floor),
+        _floor_line(result, _floor_ms(data)),
         "same parameters as torch DDP (max |diff|): "
         + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
         *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
@@ -178,9 +178,12 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
     return "\n".join(lines)
 
 
-def _floor_line(result: Comparison, comm_ms: float) -> str:
+def _floor_ms(data: dict) -> float:
     """The best a step can be: compute and communication overlapped perfectly."""
-    floor = max(result.median("compute only") * 1e3, comm_ms)
+    return max(data["result"].median("compute only") * 1e3, data["cost"].time_ms(data["nbytes"]))
+
+
+def _floor_line(result: Comparison, floor: float) -> str:
     shares = ", ".join(f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only")
     return f"floor max(compute, communication) = {floor:.2f} ms; step time / floor: {shares}"
 
@@ -246,7 +249,7 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "allreduce_alpha_ms": d["cost"].alpha_ms,
             "allreduce_ms_per_mib": d["cost"].beta_ms_per_byte * 2**20,
             "max_param_diff_to_torch": d["same"],
-            "floor_ms": max(d["result"].median("compute only") * 1e3, d["cost"].time_ms(d["nbytes"])),
+            "floor_ms": _floor_ms(d),
         }
         for m, d in results.items()
     }

@@ -186,15 +186,17 @@ class EmulatedCluster:
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                 env={**os.environ, **(env or {}), **self.env(i)},
             ))
-        deadline = time.monotonic() + timeout
+        deadline, killed = time.monotonic() + timeout, False
         results = []
         for i, proc in enumerate(procs):
             try:
                 out, _ = proc.communicate(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
-                for p in procs:
+                for p in procs:  # past the deadline on one host: on every host
                     kill_process_tree(p.pid)
+                killed = True
                 out, _ = proc.communicate(timeout=30)
+            if killed:
                 out += f"\n[gradsync cluster: host {i} killed after {timeout:.0f} s]"
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
         return results
@@ -263,15 +265,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=2)
     parser.add_argument("--link", default="2gbit", help="rate per host, or comma-separated, one per host")
     parser.add_argument("--latency", default=None)
+    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before every host's command is killed")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND: run on every host at once")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     links = args.link.split(",") if "," in args.link else args.link
     with EmulatedCluster(args.hosts, links, args.latency) as cluster:
         print(cluster, flush=True)
-        procs = [subprocess.Popen(cluster.command(i, command), env={**os.environ, **cluster.env(i)})
-                 for i in range(args.hosts)] if command else []
-        return max([p.wait() for p in procs], default=0)
+        procs = [subprocess.Popen(cluster.command(i, command), env={**os.environ, **cluster.env(i)},
+                                  start_new_session=True) for i in range(args.hosts)] if command else []
+        return max([_wait_or_kill(p, args.timeout) for p in procs], default=0)
+
+
+def _wait_or_kill(proc: subprocess.Popen, timeout: float) -> int:
+    from ..testing import kill_process_tree
+
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_process_tree(proc.pid)
+        print(f"[gradsync cluster: killed after {timeout:.0f} s]", file=sys.stderr, flush=True)
+        return proc.wait(timeout=30)
 
 
 if __name__ == "__main__":
