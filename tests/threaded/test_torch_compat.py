@@ -236,3 +236,37 @@ def test_patch_then_undo_leaves_torch_as_it_was():
     patch.undo()  # twice is harmless
     assert torch.nn.parallel.DistributedDataParallel is TorchDDP
     assert repr(patch) == "TorchDDPReplacement(undone)"
+
+
+def test_forwards_that_overlap_across_threads_leave_no_wrapper_active():
+    from gradsync.wrapper.torch_compat import ActiveForwards
+
+    active, a, b = ActiveForwards(), object(), object()
+    active.enter(a)
+    active.enter(b)  # rank thread B starts its forward while A's runs
+    assert TorchDDP._active_ddp_module is b
+    active.leave(a)  # A ends first: B is still inside
+    assert TorchDDP._active_ddp_module is b
+    active.leave(b)  # saving and restoring "the one before" would leave A here, held for good
+    assert TorchDDP._active_ddp_module is None
+    active.enter(a)
+    active.enter(a)  # nested: the inner leaves, the outer is still inside
+    active.leave(a)
+    assert TorchDDP._active_ddp_module is a
+    active.leave(a)
+    assert TorchDDP._active_ddp_module is None
+
+
+def test_wrappers_of_rank_threads_are_freed_after_their_forwards():
+    import gc
+    import weakref
+
+    def body(rank, group):
+        ddp = GradsyncDDP(_build("mlp"), process_group=group)
+        for _ in range(20):
+            _loss(ddp(torch.ones(2, 8))).backward()
+        return weakref.ref(ddp)
+
+    refs = run_threaded(body, 2)
+    gc.collect()
+    assert TorchDDP._active_ddp_module is None and all(r() is None for r in refs)

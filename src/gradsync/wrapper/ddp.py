@@ -47,11 +47,11 @@ from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, find_common_rank
 from .mixed import MixedPrecisionParams
 from .torch_compat import (
+    ACTIVE_FORWARDS,
     TorchDDP,
     TorchNamedReducer,
     logging_data,
     refuse_torch_internals,
-    swap_active_ddp_module,
 )
 
 __all__ = ["DistributedDataParallel", "exclude_from_sync"]
@@ -213,11 +213,11 @@ class DistributedDataParallel(_Base):
         # dynamo skips this one (not what it calls), and the two halves around the module.
         with torch.autograd.profiler.record_function("gradsync.DistributedDataParallel.forward"):
             inputs, kwargs, active = self._pre_forward(*inputs, **kwargs)
-            previous = swap_active_ddp_module(self)
+            ACTIVE_FORWARDS.enter(self)
             try:
                 output = self.module(*inputs, **kwargs)
             finally:
-                swap_active_ddp_module(previous)
+                ACTIVE_FORWARDS.leave(self)
             return self._post_forward(output, active)
 
     @torch.compiler.disable

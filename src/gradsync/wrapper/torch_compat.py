@@ -12,6 +12,7 @@ and clear errors for the parts of torch's class that belong to its C++ reducer.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -27,7 +28,7 @@ from ..engine.reducer import Phase, Reducer
 if TYPE_CHECKING:
     from .ddp import DistributedDataParallel
 
-__all__ = ["TorchDDP", "TorchNamedReducer", "logging_data", "refuse_torch_internals", "swap_active_ddp_module"]
+__all__ = ["ACTIVE_FORWARDS", "TorchDDP", "TorchNamedReducer", "logging_data", "refuse_torch_internals"]
 
 # torch's methods that need nothing of its constructor's state; inherited as they are.
 _INHERITED = frozenset({
@@ -112,15 +113,36 @@ class TorchNamedReducer(Reducer):
 
 
 
-@torch.compiler.disable
-def swap_active_ddp_module(ddp: DistributedDataParallel | None) -> DistributedDataParallel | None:
-    """Make `ddp` the DDP module whose forward runs, where dynamo looks for it (torch's own
-    class attribute, whatever the name `DistributedDataParallel` points to now); return the
-    one before. A graph compiled meanwhile is split at bucket boundaries (DDPOptimizer), so
-    its gradients come out bucket by bucket and communication overlaps the rest of backward."""
-    previous = TorchDDP._active_ddp_module
-    TorchDDP._active_ddp_module = ddp  # type: ignore[assignment]
-    return previous  # type: ignore[return-value]
+class ActiveForwards:
+    """Which DDP module's forward runs, where dynamo looks for it: torch's own class attribute
+    `_active_ddp_module` (whatever the name `DistributedDataParallel` points to now). A graph
+    compiled meanwhile is split at bucket boundaries (DDPOptimizer), so its gradients come out
+    bucket by bucket and communication overlaps the rest of backward.
+
+    One per process, like the attribute it keeps: wrappers whose forwards overlap (nested, or
+    rank threads of one process) each leave it pointing at one still inside, or None. Saving
+    and restoring "the one before" would not: two threads interleaving can restore a wrapper
+    whose forward has ended, and the class attribute then keeps it alive."""
+
+    def __init__(self) -> None:
+        self._inside: list[object] = []
+        self._lock = threading.Lock()
+
+    @torch.compiler.disable
+    def enter(self, ddp: DistributedDataParallel) -> None:
+        with self._lock:
+            self._inside.append(ddp)
+            TorchDDP._active_ddp_module = ddp  # type: ignore[assignment]
+
+    @torch.compiler.disable
+    def leave(self, ddp: DistributedDataParallel) -> None:
+        with self._lock:
+            last = len(self._inside) - 1 - self._inside[::-1].index(ddp)
+            del self._inside[last]
+            TorchDDP._active_ddp_module = self._inside[-1] if self._inside else None  # type: ignore[assignment]
+
+
+ACTIVE_FORWARDS = ActiveForwards()
 
 
 def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
