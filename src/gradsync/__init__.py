@@ -24,6 +24,7 @@ from .wrapper.ddp import DistributedDataParallel, exclude_from_sync
 from .wrapper.guards import ParameterDivergenceError
 from .wrapper.launch import init_process_group
 from .wrapper.replace import TorchDDPReplacement, patch_torch_ddp
+from .wrapper.zero import ZeroRedundancyOptimizer
 
 __all__ = [
     "BucketStats",
@@ -38,6 +39,7 @@ __all__ = [
     "ParameterDivergenceError",
     "IterationTimeline",
     "Reducer",
+    "ZeroRedundancyOptimizer",
     "ReducerConfig",
     "ReductionTimeoutError",
     "TorchDDPReplacement",

@@ -207,3 +207,56 @@ def test_probe_under_load_raises_when_a_rank_does_not_take_part():
 
     with pytest.raises(RankError, match=r"rank 0.*loaded cost-model calibration.*(did not complete within|failed)"):
         run_threaded(body, 2, timeout=30)
+
+
+# ------------------------------------------------------------------ contention and the reducer's work
+
+
+def test_a_measured_contention_share_round_trips_through_the_hosts_cores():
+    from gradsync.planning.simulate import Host
+
+    machine = Host(ranks=2, cores=2)  # the emulated cluster: two hosts' ranks on two cores
+    for share in (0.1, 0.35, 0.7):
+        fitted = machine.with_contention(share, ranks=2, bandwidth_gbps=0.25)
+        assert fitted.comm_cores_per_gbps > 0
+        assert fitted.contention(2, 0.25) == pytest.approx(share)
+        # Twice the link rate moves twice the bytes a second: more of the cores it takes.
+        assert fitted.contention(2, 0.5) > share
+    assert machine.with_contention(0.0, 2, 0.25).comm_cores_per_gbps == 0.0
+    assert machine.contention(2, 0.25) == 0.0  # nothing measured: collectives take no compute
+    with pytest.raises(ValueError, match="with_contention"):
+        machine.with_contention(1.5, 2, 0.25)
+
+
+def test_without_contention_or_reducer_costs_predictions_are_the_planners_own():
+    from dataclasses import replace
+
+    from gradsync.planning.planner import predict_finish_ms
+    from gradsync.planning.simulate import Host
+
+    network = Network(bandwidth_gbps=0.25, latency_us=100.0)
+    (plain,) = simulate(PROFILE, network, [2])
+    (hosted,) = simulate(PROFILE, network, [2], Host(ranks=2, cores=2))  # share 0: unchanged
+    assert plain == hosted
+    cost = network.cost(2)
+    ready, nbytes = list(PROFILE.ready_ms), list(PROFILE.nbytes)
+    finish = predict_finish_ms(ready, nbytes, [list(b) for b in plain.planned_layout], cost)
+    assert plain.planned_ms == pytest.approx(PROFILE.forward_ms + max(finish, ready[-1]))
+    # The reducer's fill (per byte) and tail add to no overlap exactly, and never make a layout faster.
+    costly = replace(PROFILE, fill_ms_per_byte=1e-7, tail_ms=2.0)
+    (charged,) = simulate(costly, network, [2])
+    assert charged.no_overlap_ms == pytest.approx(plain.no_overlap_ms + 1e-7 * sum(PROFILE.nbytes) + 2.0)
+    assert charged.default_ms >= plain.default_ms + 2.0 and charged.planned_ms >= plain.planned_ms + 2.0
+
+
+def test_under_contention_backward_slows_while_collectives_fly_and_the_plan_takes_fewer():
+    from gradsync.planning.simulate import Host
+
+    network = Network(bandwidth_gbps=0.25, latency_us=100.0)
+    free = Host(ranks=2, cores=2)
+    contended = free.with_contention(0.5, ranks=2, bandwidth_gbps=network.bandwidth_gbps)
+    (calm,) = simulate(PROFILE, network, [2], free)
+    (busy,) = simulate(PROFILE, network, [2], contended)
+    assert busy.default_ms > calm.default_ms and busy.planned_ms > calm.planned_ms
+    assert busy.planned_buckets <= calm.planned_buckets  # each collective now costs compute too
+    assert busy.planned_ms <= busy.default_ms + 1e-9  # the best of the plans it priced

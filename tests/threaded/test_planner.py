@@ -285,3 +285,51 @@ def test_forward_without_backward_during_the_trial_repeats_the_slot():
     plan0, plan1 = run_threaded(body, 2)
     assert plan0.kept is not None and plan0.trial_ms == plan1.trial_ms
     assert all(ms > 0 for ms in plan0.trial_ms.values())
+
+
+def test_the_trial_keeps_a_candidate_only_when_it_beats_the_current_layout_beyond_its_noise():
+    from gradsync.planning.autoplan import CURRENT, choose_layout
+
+    medians = {CURRENT: 25.5, "planned": 24.4, "coarse": 26.0}
+    # Lucky samples: 1.1 ms faster with 6 ms IQRs (3 ms spreads) is noise, the current layout stays.
+    assert choose_layout(medians, {CURRENT: 3.0, "planned": 3.0, "coarse": 3.0}, 0.01) == (CURRENT, 3.0)
+    # The same medians from a quiet trial: the planned layout is kept.
+    best, needed = choose_layout(medians, {CURRENT: 0.2, "planned": 0.2, "coarse": 0.2}, 0.01)
+    assert best == "planned" and needed == pytest.approx(0.255)  # the 1 % margin is the larger
+    # Clearly faster through the noise (the coarse layout on gpt_16mib at 2 Gbit/s).
+    assert choose_layout({CURRENT: 206.5, "coarse": 145.8}, {CURRENT: 8.0, "coarse": 6.0}, 0.01)[0] == "coarse"
+    assert choose_layout({CURRENT: 10.0}, {CURRENT: 0.0}, 0.01) == (CURRENT, 0.1)  # nothing else tried
+
+
+def test_the_trial_spread_is_half_the_interquartile_range():
+    from gradsync.planning.autoplan import _spread_ms
+
+    assert _spread_ms([1.0, 2.0, 3.0]) == 0.0  # too few samples to say
+    assert _spread_ms([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) == pytest.approx((6.75 - 2.25) / 2)
+
+
+def test_the_probe_during_compute_queues_collectives_and_agrees_across_ranks():
+    from gradsync.planning.planner import probe_during_compute
+    from gradsync.testing import run_threaded
+
+    def body(rank, group):
+        return probe_during_compute(group, sizes=(4 << 10, 256 << 10), repeats=2, queued_bytes=1 << 20)
+
+    first, second = run_threaded(body, 2)
+    assert first == second  # the slowest rank's medians, everywhere: every rank plans alike
+    assert first.alpha_ms > 0 and first.beta_ms_per_byte >= 0
+
+
+def test_the_probe_during_compute_raises_when_a_rank_does_not_take_part():
+    from datetime import timedelta
+
+    from gradsync.planning.planner import probe_during_compute
+    from gradsync.testing import RankError, run_threaded
+
+    def body(rank, group):
+        if rank == 0:  # rank 1 never probes: rank 0 must give up, not compute forever
+            probe_during_compute(group, sizes=(4 << 10,), repeats=1, timeout=timedelta(seconds=1))
+        return "absent"
+
+    with pytest.raises(RankError, match=r"rank 0.*cost-model probe during compute.*(did not complete within|failed)"):
+        run_threaded(body, 2, timeout=30)

@@ -26,6 +26,23 @@ the profile's rank count and the predicted one, the step is the profile's comput
 the probe's step is, plus every bucket's cost under load (one bucket is then the best plan).
 Record the profile with a core per rank: under oversubscription a rank's own timings already
 hold part of the stretch, unevenly.
+
+Short of saturation, a collective in flight can still take part of the cores: gloo's copies and
+reductions, and the kernel's network stack, which on an emulated cluster (network namespaces on
+one machine's cores) moves every byte of every link on those cores. `Host.comm_cores_per_gbps`
+says how much: cores per GB/s of link bandwidth on each host. While a collective runs, compute
+gets what is left of the cores, shared fairly among the host's ranks (`Host.contention`), and
+backward slows by that share. The replay follows it (a collective in flight delays the gradients
+computed meanwhile, and so later launches), and the planned layout is the best, so replayed, of
+the planner's plans under the network's latency and under coarser ones (fewer collectives).
+Measured as `planner.measure_contention`'s share (an all-reduce alone, a compute loop alone, both
+at once) and turned into cores per GB/s by `Host.with_contention`.
+
+The replay also charges the reducer's own work where the profile recorded it: a bucket's
+gradients copied into it between its last gradient and its launch, on the backward thread
+(`Profile.fill_ms_per_byte`), and the step's end after the last all-reduce, gradients written
+back (`Profile.tail_ms`). Both are compute, and stretch like it; the saturated path leaves them
+to the probes under load.
 """
 
 from __future__ import annotations
@@ -58,6 +75,12 @@ class Profile:
     names: tuple[str, ...] = ()
     world_size: int = 1
     """Ranks of the recorded run (all on one host, for `Host` scaling)."""
+    fill_ms_per_byte: float = 0.0
+    """The reducer's copy of a bucket's gradients into it (scaled), on the backward thread
+    between its last gradient and its launch, per byte (0: not recorded)."""
+    tail_ms: float = 0.0
+    """After the last all-reduce (or backward, if later): gradients written back, the step's
+    report exchanged (0: not recorded)."""
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:
@@ -69,6 +92,8 @@ class Profile:
                 nbytes=tuple(int(b) for b in data["nbytes"]),
                 names=tuple(data.get("names", ())),
                 world_size=int(data.get("world_size", 1)),
+                fill_ms_per_byte=float(data.get("fill_ms_per_byte", 0.0)),
+                tail_ms=float(data.get("tail_ms", 0.0)),
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(
@@ -105,6 +130,8 @@ class Profile:
             nbytes=tuple(size[name] for name in order),
             names=tuple(order),
             world_size=first.world_size,
+            fill_ms_per_byte=max(p.fill_ms_per_byte for p in profiles),
+            tail_ms=max(p.tail_ms for p in profiles),
         )
 
     @property
@@ -157,10 +184,46 @@ class Host:
     cpu_collectives: bool = False
     """Collectives run on the host's CPU (gloo): once its cores are all busy, communication
     competes with compute instead of overlapping it, and stretches like it."""
+    comm_cores_per_gbps: float = 0.0
+    """Short of that: the cores a collective in flight takes on each rank's behalf, per GB/s of
+    link bandwidth (0: it waits on the link and takes none). See `contention`."""
 
     def __post_init__(self) -> None:
         if self.ranks < 1 or (self.cores is not None and self.cores < 1):
             raise ValueError(f"a host needs at least one rank and one core, got {self}")
+        if self.comm_cores_per_gbps < 0:
+            raise ValueError(f"comm_cores_per_gbps must be >= 0, got {self}")
+
+    def _speeds(self, ranks: int, comm_cores: float) -> tuple[float, float]:
+        """A rank's compute speed (1: a core of its own) without and with `comm_cores` busy
+        communicating for each of the host's ranks: what is left of the cores, shared fairly."""
+        here = min(ranks, self.ranks)
+        cores = self.cores if self.cores is not None else here  # None: a core per rank, none spare
+        alone = min(1.0, cores / here)
+        return alone, min(1.0, max(cores - here * comm_cores, 0.0) / here)
+
+    def contention(self, ranks: int, bandwidth_gbps: float) -> float:
+        """The share of a rank's compute speed lost while a collective is in flight at `ranks`
+        ranks over links of `bandwidth_gbps` (0: none, 1: compute waits): each of the host's
+        ranks moving bytes at the link's rate takes `comm_cores_per_gbps` x that rate of cores,
+        and compute gets the rest. Hosts with spare cores absorb it first."""
+        if self.comm_cores_per_gbps <= 0 or self.saturated(ranks):
+            return 0.0
+        alone, during = self._speeds(ranks, self.comm_cores_per_gbps * bandwidth_gbps)
+        return 1.0 - during / alone
+
+    def with_contention(self, share: float, ranks: int, bandwidth_gbps: float) -> Host:
+        """This host, with the CPU its collectives take set from a measured `share` (a
+        `planner.Contention.share`, measured at `ranks` ranks over links of `bandwidth_gbps`):
+        the inverse of `contention`. A share measured where spare cores hide it says nothing
+        of the cost, and gives 0."""
+        if not 0.0 <= share <= 1.0 or bandwidth_gbps <= 0:
+            raise ValueError(f"with_contention: need 0 <= share <= 1 and bandwidth > 0, got {share}, {bandwidth_gbps}")
+        here = min(ranks, self.ranks)
+        cores = self.cores if self.cores is not None else here
+        alone, _ = self._speeds(ranks, 0.0)
+        comm = max(cores - here * (1.0 - share) * alone, 0.0) / here if share > 0 else 0.0
+        return dataclasses.replace(self, comm_cores_per_gbps=comm / bandwidth_gbps)
 
     def saturated(self, ranks: int) -> bool:
         """Every core busy with a rank's compute: CPU collectives cannot overlap it."""
@@ -231,13 +294,17 @@ def simulate(
         serial = host.saturated(n)
         if serial:  # communication waits for cores: it adds to compute, and stretches like it
             cost = CostModel(cost.alpha_ms * host.stretch(n), cost.beta_ms_per_byte * host.stretch(n))
-        planned = plan_buckets(ready, nbytes, cost)
+            reducer = _Reducer()  # the probes under load price the step as measured
+        else:  # the reducer's own copies are compute: they stretch like it
+            reducer = _Reducer(profile.fill_ms_per_byte * k, profile.tail_ms * k)
+        share = host.contention(n, network.bandwidth_gbps)
+        planned = _plan(ready, nbytes, cost, serial, share, reducer)
         out.append(
             Prediction(
                 ranks=n,
-                default_ms=forward + _finish(ready, nbytes, default, cost, serial),
-                planned_ms=forward + _finish(ready, nbytes, planned, cost, serial),
-                no_overlap_ms=forward + backward + cost.time_ms(sum(nbytes)),
+                default_ms=forward + _finish(ready, nbytes, default, cost, serial, share, reducer),
+                planned_ms=forward + _finish(ready, nbytes, planned, cost, serial, share, reducer),
+                no_overlap_ms=forward + backward + reducer.fill(sum(nbytes)) + cost.time_ms(sum(nbytes)) + reducer.tail_ms,
                 planned_buckets=len(planned),
                 compute_ms=forward + backward,
                 planned_layout=tuple(tuple(b) for b in planned),
@@ -273,13 +340,86 @@ def _saturated(
     )
 
 
+def _plan(ready: list[float], nbytes: list[int], cost: CostModel, serial: bool, share: float,
+          reducer: _Reducer) -> list[list[int]]:
+    """The planner's layout. Under contention its model (collectives leave compute alone) no
+    longer holds, and fewer collectives may pay: its plans under a latency 2, 4, 8, ... times
+    the network's, down to one bucket, are priced by the contended replay, the best kept."""
+    planned = plan_buckets(ready, nbytes, cost)
+    if share <= 0 or serial:
+        return planned
+    best, best_ms, scale = planned, _finish(ready, nbytes, planned, cost, serial, share, reducer), 2.0
+    while len(planned) > 1 and scale <= 2.0**20:
+        planned = plan_buckets(ready, nbytes, CostModel(max(cost.alpha_ms, 1e-3) * scale, cost.beta_ms_per_byte))
+        ms = _finish(ready, nbytes, planned, cost, serial, share, reducer)
+        if ms < best_ms:
+            best, best_ms = planned, ms
+        scale *= 2
+    return best
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reducer:
+    """The reducer's own work in a step (`Profile.fill_ms_per_byte`, `Profile.tail_ms`)."""
+
+    fill_ms_per_byte: float = 0.0
+    tail_ms: float = 0.0
+
+    def fill(self, nbytes: float) -> float:
+        return self.fill_ms_per_byte * nbytes
+
+
 def _finish(
-    ready: list[float], nbytes: list[int], layout: list[list[int]], cost: CostModel, serial: bool
+    ready: list[float], nbytes: list[int], layout: list[list[int]], cost: CostModel, serial: bool,
+    share: float = 0.0, reducer: _Reducer = _Reducer(),
 ) -> float:
-    """When the gradients are reduced, after forward: overlapped with backward, or after it."""
+    """When the gradients are reduced, after forward: overlapped with backward, or after it.
+    `share`: of compute speed lost while a collective is in flight (`Host.contention`)."""
     if serial:
         return predict_finish_ms(ready, nbytes, layout, cost, serial=True)
+    if share > 0 or reducer != _Reducer():
+        return _replay(ready, nbytes, layout, cost, share, reducer)
     return max(predict_finish_ms(ready, nbytes, layout, cost), ready[-1] if ready else 0.0)
+
+
+def _replay(
+    ready: list[float], nbytes: list[int], layout: list[list[int]], cost: CostModel, share: float,
+    reducer: _Reducer,
+) -> float:
+    """Backward replayed with compute running at 1 - `share` of its speed while a collective is
+    in flight: `ready` is compute time (the uncontended profile's). Each bucket is filled on the
+    backward thread once its last gradient is computed (delaying the gradients after it), then
+    launched, in order, one collective at a time. When the last all-reduce, or backward, ends,
+    plus the reducer's tail (wall time after forward)."""
+    busy: list[tuple[float, float]] = []  # the collectives' (start, end), in order, disjoint
+    speed = 1.0 - share
+
+    def wall(work: float) -> float:  # when backward has done `work` ms of compute
+        t = done = 0.0
+        for start, end in busy:
+            if done + (start - t) >= work:
+                break
+            done, t = done + (start - t), start
+            if speed > 0 and done + (end - start) * speed >= work:
+                return start + (work - done) / speed
+            done, t = done + (end - start) * speed, end
+        return t + (work - done)
+
+    # Fills run when a bucket's last gradient arrives: they push back the compute after them.
+    lasts = [max(b) for b in layout]
+    fills = [reducer.fill(sum(nbytes[i] for i in b)) for b in layout]
+    by_last = sorted(range(len(layout)), key=lambda j: lasts[j])
+    filled, before = {}, 0.0  # bucket -> work when its fill ends; fills done so far
+    for j in by_last:
+        before += fills[j]
+        filled[j] = ready[lasts[j]] + before
+    finish = 0.0
+    for j, bucket in enumerate(layout):
+        start = max(wall(filled[j]), finish)
+        finish = start + cost.time_ms(sum(nbytes[i] for i in bucket))
+        busy.append((start, finish))
+    backward = (ready[-1] if ready else 0.0) + sum(fills)
+    return max(finish, wall(backward)) + reducer.tail_ms
 
 
 def markdown(predictions: Sequence[Prediction]) -> str:
@@ -324,10 +464,22 @@ def timing_profile(reducer: Reducer, window: int = 8) -> Profile:
     median = [statistics.median(v) if v else 0.0 for v in ready]
     order = sorted(range(len(reducer.params)), key=lambda i: (median[i], i))
     forward = [(t.start_ns - t.forward_start_ns) * 1e-6 for t in timelines if t.forward_start_ns]
+    fills, tails = [], []
+    for tl in timelines:
+        filled, launched = tl.times(EventKind.BUCKET_READY), tl.times(EventKind.LAUNCH)
+        completed = tl.times(EventKind.COMPLETE)
+        last = max(filled, key=lambda b: filled[b]) if filled else None  # filled last: launched at once
+        if last is not None and last in launched and tl.bucket_bytes[last] > 0:
+            fills.append((launched[last] - filled[last]) * 1e-6 / tl.bucket_bytes[last])
+        if tl.backward_end_ns:
+            end = max([*completed.values(), tl.backward_end_ns - tl.start_ns])
+            tails.append(max(tl.finish_ns - tl.start_ns - end, 0) * 1e-6)
     return Profile(
         forward_ms=statistics.median(forward) if forward else 0.0,
         ready_ms=tuple(median[i] for i in order),
         nbytes=tuple(reducer.params[i].numel() * reducer.params[i].element_size() for i in order),
         names=tuple(reducer.names[i] for i in order),
         world_size=reducer.world_size,
+        fill_ms_per_byte=statistics.median(fills) if fills else 0.0,
+        tail_ms=statistics.median(tails) if tails else 0.0,
     )

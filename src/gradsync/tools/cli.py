@@ -35,6 +35,8 @@ def _launch_on_cluster(args: argparse.Namespace, module: str, rest: list[str]) -
     from .cluster import ClusterUnavailable, EmulatedCluster
 
     links = args.link.split(",") if "," in args.link else args.link
+    if args.command == "bench":
+        rest = cluster_bench_args(rest)
     try:
         with EmulatedCluster(args.hosts, links) as cluster:
             print(f"gradsync {args.command}: on {cluster}", flush=True)
@@ -47,6 +49,16 @@ def _launch_on_cluster(args: argparse.Namespace, module: str, rest: list[str]) -
         if proc.returncode:
             print(f"--- host {i} (exit {proc.returncode}):\n{proc.stdout[-4000:]}", file=sys.stderr)
     return max(proc.returncode for proc in done)
+
+
+def cluster_bench_args(rest: list[str]) -> list[str]:
+    """The bench's options on a cluster: unless models are named, the ones sized for a slow
+    network, where compute and communication are of one order and overlap matters."""
+    if any(a == "--models" or a.startswith("--models=") for a in rest):
+        return rest
+    from .benchsuite import CLUSTER_MODELS
+
+    return ["--models", ",".join(CLUSTER_MODELS), *rest]
 
 
 def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:

@@ -1,0 +1,45 @@
+"""The bench's model sets and its parity check, without a process group."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from gradsync.tools.benchsuite import (
+    CLUSTER_MODELS,
+    LOOPBACK_MODELS,
+    MODELS,
+    mismatched,
+    parse_args,
+)
+from gradsync.tools.cli import cluster_bench_args
+
+
+def test_the_loopback_set_is_the_default_and_a_cluster_gets_the_models_sized_for_it():
+    assert parse_args([]).models == ",".join(LOOPBACK_MODELS)
+    assert cluster_bench_args(["--rounds", "3"]) == ["--models", ",".join(CLUSTER_MODELS), "--rounds", "3"]
+    assert cluster_bench_args(["--models", "convnet"]) == ["--models", "convnet"]
+    assert cluster_bench_args(["--models=convnet"]) == ["--models=convnet"]
+    assert parse_args(cluster_bench_args([])).models.split(",") == list(CLUSTER_MODELS)
+
+
+@pytest.mark.parametrize("name", CLUSTER_MODELS)
+def test_the_cluster_models_have_the_gradients_they_are_named_for_and_stay_finite(name):
+    torch.manual_seed(0)
+    model, make_input = MODELS[name]()
+    mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    assert 11 <= mib <= 65, (name, mib)  # of the order a 2 Gbit/s link moves in one step's compute
+    x = make_input(torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for _ in range(3):  # the bench trains them: a diverging model would compare as NaN
+        opt.zero_grad()
+        model(x).float().pow(2).mean().backward()
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_a_variant_that_diverged_is_a_mismatch_not_a_match():
+    same = {"a": {"gradsync": 0.0, "no overlap": 0.0}, "b": {"gradsync": math.nan}, "c": {"gradsync": 2e-3}}
+    assert sorted(mismatched(same)) == ["b", "c"]  # NaN compares false both ways: counted as bad
