@@ -4,7 +4,8 @@
 loss, frozen and tied parameters, buffers, sparse and dense embeddings, a float64 branch) and a
 configuration (find_unused_parameters, static_graph, bucket caps down to one parameter per
 bucket, gradient_as_bucket_view, no_sync accumulation, torch's and gradsync's communication
-hooks, SGD or Adam, world size 2 or 3) within what torch's DDP accepts. `run_case` trains it
+hooks, SGD or Adam, world size 2 or 3, and on gradsync's side sometimes its
+ZeroRedundancyOptimizer with sharded gradients) within what torch's DDP accepts. `run_case` trains it
 under gradsync's wrapper and torch's, side by side on the same gloo groups, and returns the
 differences: gradients (None-ness included) every step, parameters and buffers at the end, and
 parameters across ranks. The same seed always gives the same case:
@@ -66,6 +67,7 @@ class Case:
     set_to_none: bool
     broadcast_buffers: bool
     steps: int
+    zero: bool = False  # gradsync's side steps a ZeroRedundancyOptimizer with sharded gradients
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -91,7 +93,7 @@ class Case:
         # find_unused_parameters; sparse gradients with a hook, a bucket view or Adam.
         find_unused = (varies or left_out) and not static or rng.random() < 0.3
         hook = "none" if sparse else rng.choice(HOOKS)
-        return cls(
+        case = cls(
             seed=seed,
             width=rng.choice((4, 6, 8)),
             blocks=tuple(blocks),
@@ -109,6 +111,10 @@ class Case:
             broadcast_buffers=rng.random() < 0.7,
             steps=rng.choice((3, 4)),
         )
+        # Drawn last, so every other field of a seed stays what it was before this existed.
+        # Sharded gradients refuse hooks and sparse gradients (and never accumulate by the flag
+        # alone: the step needs a synchronised backward, which the last micro-step is anyway).
+        return dataclasses.replace(case, zero=hook == "none" and not sparse and rng.random() < 0.6)
 
     def torch_kwargs(self) -> dict[str, Any]:
         """torch's DDP for the same case. Its static_graph fails an internal assert on
@@ -235,11 +241,11 @@ def train(wrapper_cls: type, rank: int, group: Any, case: Case, batches: list[to
     ddp = wrapper_cls(model, process_group=group, **kwargs)
     _register_hook(ddp, case, group)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt: torch.optim.Optimizer = (
-        torch.optim.SGD(params, lr=0.05, momentum=0.9)
-        if case.optimizer == "sgd"
-        else torch.optim.Adam(params, lr=ADAM_LR)
-    )
+    cls, defaults = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}) if case.optimizer == "sgd" else (
+        torch.optim.Adam, {"lr": ADAM_LR})
+    sharded = case.zero and wrapper_cls is not TorchDDP
+    opt: torch.optim.Optimizer = (gradsync.ZeroRedundancyOptimizer(params, cls, process_group=group, **defaults)
+                                  if sharded else cls(params, **defaults))
     ws = group.size()
     grads = []
     for step, batch in enumerate(batches):
@@ -287,6 +293,8 @@ def compare(case: Case, results: list[tuple[dict, dict]]) -> list[str]:
     problems: list[str] = []
     for rank, (ours, theirs) in enumerate(results):
         for step, (g, t) in enumerate(zip(ours["grads"], theirs["grads"])):
+            if case.zero:  # gradsync's gradients are sharded: no whole `.grad` to compare
+                break
             for name in t:
                 problems += _differs(g[name], t[name], exact, f"rank {rank} step {step} grad {name}", precision)
         for kind in ("params", "buffers"):

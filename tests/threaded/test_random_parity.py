@@ -34,6 +34,7 @@ def test_the_generator_covers_what_it_promises():
     assert {c.hook for c in cases} >= {"none", "torch_allreduce", "torch_fp16", "gradsync_fp16", "gradsync_bf16"}
     assert {c.optimizer for c in cases} == {"sgd", "adam"}
     assert {c.micro_steps for c in cases} >= {1, 2, 3}
+    assert any(c.zero and c.world_size == 3 for c in cases) and any(c.zero and c.find_unused for c in cases)
     assert {c.bucket_cap_mb for c in cases} >= {None, 1e-7}
     for flag in ("find_unused", "static_graph", "as_view", "set_to_none", "broadcast_buffers"):
         assert {getattr(c, flag) for c in cases} == {False, True}, flag

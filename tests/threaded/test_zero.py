@@ -1,5 +1,5 @@
-"""`gradsync.ZeroRedundancyOptimizer` (ZeRO-1: optimizer state sharded, parameters broadcast by
-their owners) against torch's DDP with the same unsharded optimizer, on real gloo groups in
+"""`gradsync.ZeroRedundancyOptimizer` as ZeRO-1 (optimizer state sharded, parameters broadcast by
+their owners; `shard_gradients=False` beside a gradsync wrapper, and beside torch's) against torch's DDP with the same unsharded optimizer, on real gloo groups in
 threads: the same parameters bit for bit, state of about 1/N per rank, whole state dicts that
 load at another world size, and bad input refused on every rank alike."""
 
@@ -29,7 +29,7 @@ def _train(rank, group, model_name, optimizer, sharded, wrapper, batches, world)
     cls, kwargs = OPTIMIZERS[optimizer]
     model = _build(model_name)
     ddp = (GradsyncDDP if wrapper == "gradsync" else TorchDDP)(model, process_group=group)
-    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, **kwargs) if sharded
+    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, shard_gradients=False, **kwargs) if sharded
            else cls(model.parameters(), **kwargs))
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # writes into param_groups
     for batch in batches:
@@ -69,7 +69,7 @@ def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_wor
     def first_half(rank, group, world):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01)
         for batch in batches[:STEPS]:
             opt.zero_grad()
             _loss(ddp(_shard(batch, rank, world))).backward()
@@ -86,7 +86,7 @@ def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_wor
             for n, p in model.named_parameters():
                 p.copy_(params[n])
         ddp = GradsyncDDP(model, process_group=group)
-        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
+        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01)
                if sharded else torch.optim.Adam(model.parameters(), lr=0.01))
         opt.load_state_dict(copy.deepcopy(saved))  # torch's loading aliases the dict's tensors
         for batch in batches[STEPS:]:
@@ -110,7 +110,7 @@ def test_a_group_added_on_one_rank_only_is_refused_on_every_rank_naming_them():
         model = _build("mlp")
         extra = torch.nn.Linear(3, 3)
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, shard_gradients=False, lr=0.1)
         if rank == 1:
             opt.add_param_group({"params": extra.parameters(), "lr": 0.01})
         _loss(ddp(torch.ones(2, 8))).backward()
@@ -132,7 +132,7 @@ def test_a_group_added_on_every_rank_keeps_parity():
         head = seeded(lambda: torch.nn.Linear(4, 2), 1)  # the global generator is shared by the threads
         ddp = GradsyncDDP(torch.nn.Sequential(model, head), process_group=group)
         first = list(model.parameters())
-        opt = (ZeroRedundancyOptimizer(first, torch.optim.Adam, process_group=group, lr=0.01) if sharded
+        opt = (ZeroRedundancyOptimizer(first, torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01) if sharded
                else torch.optim.Adam(first, lr=0.01))
         for i, batch in enumerate(batches):
             if i == 1:
@@ -151,7 +151,7 @@ def test_a_step_without_backward_is_refused_on_every_rank():
     def body(rank, group):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, shard_gradients=False, lr=0.1)
         _loss(ddp(torch.ones(2, 8))).backward()
         opt.step()
         with pytest.raises(RuntimeError) as info:

@@ -23,7 +23,7 @@ from .errors import ReductionTimeoutError
 # As torch's DDP broadcasts module states at construction.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
-__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
+__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "all_gather_ints", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
 
 
 def wait(
@@ -91,6 +91,17 @@ def all_gather_objects(
     gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(group.size())]
     wait(group.allgather([gathered], [padded.to(device)]), "all-gather of objects", group, timeout)
     return [pickle.loads(bytes(g[:n].cpu().tolist())) for g, n in zip(gathered, lengths)]
+
+
+def all_gather_ints(
+    group: dist.ProcessGroup, values: Sequence[int], timeout: timedelta = DEFAULT_TIMEOUT
+) -> list[list[int]]:
+    """Every rank's `values` (the same count on every rank), in rank order: one collective."""
+    device = object_device(group)
+    mine = torch.tensor(list(values), dtype=torch.int64, device=device)
+    every = torch.empty(len(values) * group.size(), dtype=torch.int64, device=device)
+    wait(group._allgather_base(every, mine), "all-gather of per-rank values", group, timeout)
+    return every.view(group.size(), len(values)).tolist()
 
 
 def broadcast_tensors(

@@ -28,10 +28,20 @@ def make_buckets(
     sparse: Sequence[bool],
     dtype: torch.dtype | None,
     world_size: int,
+    shards: tuple[int, bool, bool] | None = None,
 ) -> list[Bucket]:
     """The buckets of `layout`. The last one carries one element per rank after its gradients,
-    where each rank's report rides (`accumulation`)."""
+    where each rank's report rides (`accumulation`). With `shards` (this rank, transient, by
+    all-reduce) the buckets are reduce-scattered instead, and carry no tail unless all-reduced."""
     last = len(layout) - 1
+    if shards is not None:
+        rank, transient, by_all_reduce = shards
+        return [
+            Bucket(b, indices, params, dtype=dtype, collective="reduce_scatter", world_size=world_size,
+                   rank=rank, transient=transient, by_all_reduce=by_all_reduce,
+                   tail=world_size if b == last and world_size > 1 and by_all_reduce else 0)
+            for b, indices in enumerate(layout)
+        ]
     return [
         Bucket(
             b, indices, params, sparse=sparse[indices[0]], dtype=dtype,

@@ -120,6 +120,12 @@ class Reducer:
         self._scale_at_launch = self.config.casts_to_reduce(self.params[0].dtype)
         self.buckets: list[Bucket] = []
         self._bucket_of: list[Bucket] = []  # parameter index -> its bucket
+        # Sharded gradients (`shard_gradients`): (this rank, transient buckets, reduced by
+        # all-reduce), else None.
+        self._shards: tuple[int, bool, bool] | None = None
+        self._in_flight: int | None = None  # at most this many transient buckets reducing at once
+        self.reductions = 0  # synchronised iterations finished (a sharded optimizer counts them)
+        self.last_used: list[int] | None = None  # the used map they were written back with
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
             self.config.static_graph or not self._find_unused
@@ -148,7 +154,8 @@ class Reducer:
         self.buckets = []
         self._bucket_of.clear()
         self.buckets = layouts.make_buckets(
-            layout, self.params, self.expect_sparse_gradient, self.config.bucket_dtype, self.world_size
+            layout, self.params, self.expect_sparse_gradient, self.config.bucket_dtype, self.world_size,
+            self._shards,
         )
         self._layout = [list(b.param_indices) for b in self.buckets]
         self._layout_bytes = [b.nbytes for b in self.buckets]
@@ -163,8 +170,52 @@ class Reducer:
         """Replace the bucket layout between iterations (every rank must install the same)."""
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("install_layout: an iteration is still being reduced")
+        if self._shards is not None:
+            raise RuntimeError(
+                "install_layout: the gradients are sharded over the current buckets (a sharded "
+                "optimizer holds state for each bucket's shard); the layout cannot change now"
+            )
         self._needs_rebuild = False
         self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
+
+    def shard_gradients(self, layout: Sequence[Sequence[int]], in_flight: int | None = None,
+                        by_all_reduce: bool | None = None) -> None:
+        """Reduce-scatter from now on, in buckets of `layout` for good: each rank keeps only its
+        shard of each bucket's averaged gradients (`Bucket.shard`) and `.grad` is cleared once a
+        gradient is in its bucket. Without gradient_as_bucket_view the buckets are transient:
+        a buffer lives from its fill until its reduce-scatter has completed, and with
+        `in_flight` no more than that many are reducing at once (backward waits for the oldest:
+        memory bounded at the cost of overlap where the network is slower than backward). For a
+        sharded optimizer (`gradsync.ZeroRedundancyOptimizer`); every rank must call it alike.
+        `by_all_reduce` (default: on host backends, gloo) reduces each bucket whole in place and
+        keeps the shard, where the backend's all-reduce beats its reduce-scatter (`Bucket`)."""
+        if in_flight is not None and in_flight < 1:
+            raise ValueError(f"shard_gradients(in_flight={in_flight}): expected at least 1, or None for no limit")
+        if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            raise RuntimeError("shard_gradients: an iteration is still being reduced")
+        refused = [why for cond, why in (
+            (self._comm_hook is not None, "a communication hook is registered (its result would be the whole bucket)"),
+            (self._scale_at_launch, "mixed precision casts buckets to another reduce dtype"),
+            (any(self.expect_sparse_gradient), "some parameters get sparse gradients"),
+        ) if cond]
+        if refused:
+            raise ValueError(f"gradsync: cannot shard the gradients: {'; '.join(refused)}")
+        if by_all_reduce is None:
+            by_all_reduce = host_runs_collectives(self.process_group)
+        self._shards = (self.rank, not self.config.gradient_as_bucket_view, by_all_reduce)
+        self._in_flight = in_flight
+        self._needs_rebuild = False
+        self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
+
+    @property
+    def sharded(self) -> bool:
+        """Whether buckets are reduce-scattered (`shard_gradients`)."""
+        return self._shards is not None
+
+    @property
+    def shards_by_all_reduce(self) -> bool:
+        """Sharded, each bucket reduced whole by all-reduce (the host backends' way)."""
+        return self._shards is not None and self._shards[2]
 
     @property
     def rebuilt(self) -> bool:
@@ -273,6 +324,7 @@ class Reducer:
     def _clear_reduction(self) -> None:
         self._missing: list[int] = []  # parameters without a gradient when backward ended
         self._next_bucket = 0
+        self._settled = 0  # transient buckets before this one have landed and been dropped
         self._end_queued = False
         self._chain = None
         self._reports.abandon()
@@ -386,14 +438,37 @@ class Reducer:
                 work = bucket.start(self.process_group, wire)
             if self._clock is self._device_clock:  # device time (never None: _no_clock else)
                 self._device_clock.after(work, events, EventKind.COMPLETE, bucket.index)
-            else:
+            elif bucket.collective == "all_reduce":
                 work.get_future().add_done_callback(
                     functools.partial(_record_completion, events, self._clock, bucket.index)
                 )
+            # gloo's reduce-scatter has no Future: its completion is recorded when waited for.
         if self._chain is not None:
             self._chain.release(self._next_bucket)
+        elif self._shards is not None and self._shards[1]:
+            self._settle_landed()
         if self._next_bucket == len(buckets) and self.phase is _BACKWARD:
             self._all_launched()
+
+    def _settle_landed(self) -> None:
+        """Transient buckets: drop each buffer as soon as its reduce-scatter has landed (asked,
+        never waited for), so that gradient memory is the shards and the buckets in flight."""
+        limit = self._in_flight
+        while self._settled < self._next_bucket and (
+            self.buckets[self._settled].work.is_completed()  # type: ignore[union-attr]
+            or (limit is not None and self._next_bucket - self._settled > limit)
+        ):
+            self._settle(self.buckets[self._settled])
+            self._settled += 1
+
+    def _settle(self, bucket: Bucket) -> None:
+        self._waits(bucket.work, f"reduce-scatter of bucket {bucket.index}", bucket)  # raises if it failed
+        if self._clock is not self._device_clock:  # gloo's reduce-scatter has no Future to time it by
+            self._timeline.events.append((self._clock(), EventKind.COMPLETE, bucket.index))
+        bucket.take_shard()
+        if bucket.transient:
+            bucket.release()
+        bucket.work, bucket.landed = None, True  # the work holds the buffer too
 
     def _all_launched(self) -> None:
         """Every bucket is on its way: reduce the used map; finish at the end of backward."""
@@ -451,6 +526,7 @@ class Reducer:
                     used = self._static.settle_used_map(used)
                 for bucket in self.buckets:
                     bucket.write_back(used, self.config.gradient_as_bucket_view)
+                self.last_used, self.reductions = used, self.reductions + 1
         finally:
             self.phase = Phase.REDUCED  # `_marked` kept: a gradient still coming is reported
             timeline.finish_ns = self._clock()
@@ -465,7 +541,10 @@ class Reducer:
     def _wait_buckets(self) -> None:
         chain = self._chain
         for bucket in self.buckets:
-            if chain is None:
+            if chain is None and bucket.collective == "reduce_scatter":
+                if bucket.index >= self._settled:
+                    self._settle(bucket)
+            elif chain is None:
                 self._waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
             else:
                 bucket.accept(chain.result(bucket, self.config.timeout))
@@ -544,13 +623,19 @@ class Reducer:
         # all-reduce (free); otherwise it takes a tiny all-reduce of its own, after every bucket
         # (always when read back deferred: in int64, never saturated, no follow-up collective).
         return (self._comm_hook is None and not self._scale_at_launch and not self._defer
-                and self.buckets[-1].tail is not None)
+                and self.buckets[-1].has_tail)
 
     # ---------------------------------------------------------------- hooks, settings
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
         check_registration(self._comm_hook, hook, self.iteration, self._scale_at_launch)
+        if self._shards is not None:
+            raise ValueError(
+                "register_comm_hook: the gradients are sharded (reduce-scattered for a sharded "
+                "optimizer); a communication hook returns whole buckets. Register hooks only "
+                "without gradsync.ZeroRedundancyOptimizer's gradient sharding (shard_gradients=False)."
+            )
         self._comm_hook = (state, hook)
 
     @property
@@ -617,6 +702,12 @@ class Reducer:
         iteration of the ranks still training (`shadow`)."""
         from .shadow import shadow_iteration
 
+        if self._shards is not None:
+            raise RuntimeError(
+                "gradsync: join with sharded gradients is not supported (a joined rank cannot "
+                "match reduce-scatters yet); give every rank the same number of batches, or use "
+                "ZeroRedundancyOptimizer(shard_gradients=False)"
+            )
         shadow_iteration(self)
 
 

@@ -131,6 +131,8 @@ class DistributedDataParallel(_Base):
             if self._delayed is not None:
                 self._delayed.broadcast_from_rank0()
         self.reducer = self._build_reducer() if self._named_params else None
+        for _, param in self._named_params:  # how a sharded optimizer finds its wrapper
+            param._gradsync_wrapper = WrapperRef(self)  # type: ignore[attr-defined]
         self._install_guards()
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
@@ -168,6 +170,31 @@ class DistributedDataParallel(_Base):
         reducer.iteration_listeners.append(log_iteration)
         reducer.wrapper = weakref.ref(self)
         return reducer
+
+    def shard_gradients(self, in_flight: int | None = None, by_all_reduce: bool | None = None) -> Reducer:
+        """Reduce-scatter the gradients in buckets capped at `bucket_cap_mb`, in reverse
+        definition order, for good (gradsync.ZeroRedundancyOptimizer calls this when it holds
+        this wrapper's parameters): each rank keeps its shard of each bucket's averaged
+        gradients, `.grad` is left None after a synchronised backward; at most `in_flight`
+        buckets reducing at once (`Reducer.shard_gradients`). Returns the Reducer."""
+        if self.reducer is None:
+            raise ValueError("shard_gradients: this wrapper has no parameters to synchronise")
+        refused = [why for cond, why in (
+            (self._auto is not None, 'bucket_cap_mb="auto" (the planner changes the layout; sharded state follows it)'),
+            (self._mixed is not None, "mixed_precision"),
+            (self._delayed is not None, "delay_all_reduce_named_params"),
+        ) if cond]
+        if refused:
+            raise ValueError(
+                f"gradsync: cannot shard this wrapper's gradients with {', '.join(refused)}; pass a "
+                "numeric bucket_cap_mb and leave the others out, or use "
+                "ZeroRedundancyOptimizer(shard_gradients=False) (ZeRO-1)"
+            )
+        if not self.reducer.sharded:
+            params = [p for _, p in self._named_params]
+            layout, _ = assign_buckets(params, self._limits[0], [False] * len(params))
+            self.reducer.shard_gradients(list(reversed(layout)), in_flight, by_all_reduce)
+        return self.reducer
 
     def _install_guards(self) -> None:
         """Remember where the parameters are (a later move is refused), and watch forwards
@@ -533,6 +560,11 @@ class DistributedDataParallel(_Base):
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
+        if self.reducer is not None and self.reducer.sharded:
+            raise NotImplementedError(
+                "gradsync: join() with sharded gradients is not supported yet (a joined rank "
+                "cannot match reduce-scatters); use ZeroRedundancyOptimizer(shard_gradients=False)"
+            )
         if self._delayed is not None or self.reducer is None:
             raise NotImplementedError(
                 "gradsync: join() does not support delay_all_reduce_named_params yet (a joined "
@@ -574,6 +606,8 @@ class DistributedDataParallel(_Base):
         self.process_group = _default_group()
         self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args, self.process_group)
         self.reducer = self._build_reducer() if self._named_params else None
+        for _, param in self._named_params:  # how a sharded optimizer finds its wrapper
+            param._gradsync_wrapper = WrapperRef(self)  # type: ignore[attr-defined]
         self._install_guards()
 
 
@@ -754,6 +788,22 @@ def _expects_sparse_gradient(module: nn.Module, names: list[str]) -> list[bool]:
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
             sparse.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False))
     return [n in sparse for n in names]
+
+
+class WrapperRef:
+    """A parameter's weak reference to the wrapper that synchronises it. Pickled or copied
+    it becomes dead: a copy of a model is not wrapped."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, wrapper: DistributedDataParallel | None) -> None:
+        self._ref = weakref.ref(wrapper) if wrapper is not None else None
+
+    def __call__(self) -> DistributedDataParallel | None:
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (WrapperRef, (None,))
 
 
 def exclude_from_sync(module: nn.Module, names: list[str]) -> None:

@@ -16,14 +16,28 @@ rank's share onto rank r, whose `state_dict()` then indexes state by the paramet
 over all groups, as `torch.optim.Optimizer.state_dict()` does. Such a dict is independent of the
 world size: it loads into a sharded optimizer of any world size, or into the plain optimizer.
 
+When the parameters belong to a `gradsync.DistributedDataParallel` (all of its trainable
+parameters, and no others) the gradients are sharded too (ZeRO-2, `shard_gradients`, on by
+default there): the wrapper's buckets are reduce-scattered as they fill, overlapped with
+backward; each rank keeps only its slice of each bucket's averaged gradients (`.grad` is None
+after backward) and optimizer state for that slice, steps it, and the slices are all-gathered
+back into the parameters bucket by bucket: all started at once at the end of `step()`, and
+waited for there, or with `overlap_param_gather=True` each just before the first module of the
+next forward that uses it (`zero_shards`; until then the other ranks' parts of the parameters
+hold their old values: call `wait_parameters()` before reading them any other way).
+Gradient clipping must then go through `clip_grad_norm_` of this class: torch's function would
+see no gradients.
+
 Every `step()` first agrees, in one small all-gather, that each rank has the same parameter
-groups and has run a backward since its last step; a rank that differs makes every rank raise
-the same error, naming the ranks and their values, instead of leaving the others waiting in a
-broadcast. On a GPU that agreement reads a few integers back to the host once per step.
+groups and has run a (synchronised, when sharded) backward since its last step; a rank that
+differs makes every rank raise the same error, naming the ranks and their values, instead of
+leaving the others waiting in a collective. On a GPU that agreement reads three integers per rank
+back to the host once per step.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
 from typing import Any
@@ -32,13 +46,26 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from ..engine.collectives import DEFAULT_TIMEOUT, all_gather_objects, broadcast_tensors
+from ..engine.collectives import (
+    DEFAULT_TIMEOUT,
+    all_gather_ints,
+    all_gather_objects,
+    broadcast_tensors,
+)
+from ..engine.reducer import Reducer
+from .zero_shards import Gathers, Piece, check_dense, clip_sharded, flat, pieces_of, set_piece_grads
 
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
 class ZeroRedundancyOptimizer(Optimizer):
-    """Wraps `optimizer_class(**defaults)`; each rank keeps the state of its own parameters."""
+    """Wraps `optimizer_class(**defaults)`; each rank keeps the state of its own parameters.
+
+    Beyond torch's keywords: `shard_gradients` (None: when the parameters are a gradsync
+    wrapper's; False: ZeRO-1 always), `overlap_param_gather` (ZeRO-2: leave the parameter
+    all-gathers to the next forward), `buckets_in_flight` (ZeRO-2: at most this many buckets
+    reducing at once during backward, None for no limit), `timeout` (every collective's).
+    """
 
     def __init__(
         self,
@@ -48,6 +75,9 @@ class ZeroRedundancyOptimizer(Optimizer):
         parameters_as_bucket_view: bool = False,
         overlap_with_ddp: bool = False,
         timeout: timedelta = DEFAULT_TIMEOUT,
+        shard_gradients: bool | None = None,
+        overlap_param_gather: bool = False,
+        buckets_in_flight: int | None = 2,
         **defaults: Any,
     ) -> None:
         if overlap_with_ddp:
@@ -77,14 +107,89 @@ class ZeroRedundancyOptimizer(Optimizer):
             raise ValueError("ZeroRedundancyOptimizer: a parameter appears twice in the parameter groups")
         self._backward_seen = False
         self._hooks = [p.register_post_accumulate_grad_hook(self._saw_backward) for p in params_all if p.requires_grad]
-        self._partition: list[list[list[torch.Tensor]]] = []  # [group][rank] -> parameters
+        self._partition: list[list[list[torch.Tensor]]] = []  # [group][rank] -> parameters (ZeRO-1)
         self._loads = [0] * self.world_size
-        for g in self.param_groups:
-            self._partition.append(self._split(g["params"]))
+        self.overlap_param_gather = overlap_param_gather
+        self.reducer: Reducer | None = None  # the wrapper's, when the gradients are sharded
+        self._gathers: Gathers | None = None
+        wrapper = _wrapper_of(params_all) if shard_gradients is not False else None
+        if wrapper is not None:
+            self._shard_over(wrapper, params_all, buckets_in_flight)
+        elif shard_gradients:
+            raise ValueError("ZeroRedundancyOptimizer(shard_gradients=True): the parameters must belong to a "
+                             "gradsync.DistributedDataParallel (wrap the model first, then build the optimizer)")
+        else:
+            for g in self.param_groups:
+                self._partition.append(self._split(g["params"]))
         self.optim: Optimizer | None = None
         self._build_local_optimizer()
         self._consolidated: dict[str, Any] | None = None
         self._ready = True
+
+    # ------------------------------------------------------------------ sharded gradients
+
+    def _shard_over(self, wrapper: Any, params_all: list[torch.Tensor], in_flight: int | None) -> None:
+        """ZeRO-2: this optimizer must hold exactly the wrapper's trainable parameters."""
+        reducer: Reducer = wrapper.reducer
+        ours = {id(p) for p in params_all if p.requires_grad}
+        theirs = {id(p): n for n, p in zip(reducer.names, reducer.params)}
+        missing = [n for i, n in theirs.items() if i not in ours]
+        extra = [i for i in ours if i not in theirs]
+        if missing or extra:
+            named = {id(p): n for n, p in wrapper.module.named_parameters()}
+            raise ValueError(
+                "ZeroRedundancyOptimizer: to shard the gradients it must hold every trainable parameter of "
+                f"its gradsync.DistributedDataParallel and no others; missing: {missing[:8] or 'none'}"
+                f"{' ...' if len(missing) > 8 else ''}; not synchronised by that wrapper: "
+                f"{[named.get(i, '?') for i in extra][:8] or 'none'}. Give all of the wrapper's parameters to "
+                "one sharded optimizer (parameter groups may differ), or pass shard_gradients=False (ZeRO-1)."
+            )
+        if reducer.sharded and getattr(reducer, "sharded_by", lambda: None)() is not None:
+            raise ValueError("ZeroRedundancyOptimizer: another sharded optimizer already holds this wrapper's "
+                             "gradients; build one per wrapper")
+        check_dense(reducer)
+        self.reducer = wrapper.shard_gradients(in_flight)
+        reducer.sharded_by = weakref.ref(self)  # type: ignore[attr-defined]
+        position = {id(p): i for i, p in enumerate(params_all)}
+        self._pieces = pieces_of(reducer, position)
+        self._had_grad: set[int] = set()  # reducer indices with a gradient since zero_grad(set_to_none=True)
+        self._reductions = reducer.reductions
+        self._gathers = Gathers(reducer, self._pieces, wrapper.module, self.process_group, self.timeout)
+        weakref.finalize(self, self._gathers.remove_hooks)
+
+    @property
+    def shards_gradients(self) -> bool:
+        """Whether gradients are sharded too (ZeRO-2), not only the optimizer state."""
+        return self.reducer is not None
+
+    def wait_parameters(self) -> None:
+        """Finish the all-gathers of the last step now (forward and state_dict do it by
+        themselves): call before reading parameters' values any other way."""
+        if self._gathers is not None:
+            self._gathers.finish_all()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """`torch.nn.utils.clip_grad_norm_` for this optimizer's parameters, on every rank
+        (call it between backward and `step()`): with sharded gradients the norm is reduced
+        from the shards' norms. Returns the total norm."""
+        if self.reducer is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+        self._take_shards()
+        return clip_sharded(self._pieces, max_norm, norm_type, self.process_group, self.timeout, error_if_nonfinite)
+
+    def _take_shards(self) -> None:
+        assert self.reducer is not None
+        set_piece_grads(self._pieces, self.reducer.last_used, self._had_grad)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's. Under ZeRO-2 it also decides what a parameter unused on every rank
+        steps with, as under DDP: nothing after `set_to_none=True`, zeros after `False` once it
+        has had a gradient."""
+        super().zero_grad(set_to_none)
+        if set_to_none and getattr(self, "reducer", None) is not None:
+            self._had_grad.clear()
 
     # ------------------------------------------------------------------ partition
 
@@ -98,8 +203,27 @@ class ZeroRedundancyOptimizer(Optimizer):
         return per_rank
 
     def _local_groups(self) -> list[dict[str, Any]]:
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": part[self.rank]}
-                for g, part in zip(self.param_groups, self._partition)]
+        if self.reducer is not None:
+            start, tensors = 0, []
+            for g in self.param_groups:
+                end = start + len(g["params"])
+                tensors.append([p.tensor for p in self._pieces if start <= p.index < end])
+                start = end
+        else:
+            tensors = [part[self.rank] for part in self._partition]
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": mine}
+                for g, mine in zip(self.param_groups, tensors)]
+
+    def _local_pieces(self) -> list[Piece]:
+        """What the local optimizer steps, in its own order (the order of its state)."""
+        if self.reducer is not None:
+            bounds, start = [], 0
+            for g in self.param_groups:
+                bounds.append((start, start + len(g["params"])))
+                start += len(g["params"])
+            return [p for lo, hi in bounds for p in self._pieces if lo <= p.index < hi]
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return [Piece(index[id(p)], 0, p.numel(), True, p, None) for part in self._partition for p in part[self.rank]]
 
     def _build_local_optimizer(self) -> None:
         groups = self._local_groups()
@@ -118,6 +242,12 @@ class ZeroRedundancyOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (the next `step()` checks that all did): it is partitioned
         after the existing ones, which keep their owners and state."""
+        if getattr(self, "reducer", None) is not None:
+            raise ValueError(
+                "ZeroRedundancyOptimizer.add_param_group: the gradients are sharded over the wrapper's "
+                "buckets, which this optimizer already holds whole; give every group at construction "
+                "(or pass shard_gradients=False to add groups later)"
+            )
         super().add_param_group(param_group)
         if not getattr(self, "_ready", False):
             return  # the constructor partitions the initial groups itself
@@ -144,15 +274,27 @@ class ZeroRedundancyOptimizer(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._gathers is not None:
+            self._gathers.finish_all()  # a step without a forward since the last one
         self._agree_before_step()
         self._backward_seen = False
+        if self.reducer is not None:
+            self._reductions = self.reducer.reductions
+            self._take_shards()
         if self.optim is not None:
             for local, group in zip(self.optim.param_groups, self.param_groups):
                 for key, value in group.items():  # an LR scheduler writes into our groups
                     if key != "params":
                         local[key] = value
             self.optim.step()
-        self._broadcast_parameters()
+        if self._gathers is not None:
+            if self.overlap_param_gather:
+                self._gathers.start()
+            else:  # two in flight: one arriving while the last is written into the parameters
+                self._gathers.start(window=2)
+                self._gathers.finish_all()
+        else:
+            self._broadcast_parameters()
         return loss
 
     def _broadcast_parameters(self) -> None:
@@ -164,16 +306,22 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     def _agree_before_step(self) -> None:
         """Refuse, on every rank alike, a step some rank is not ready for."""
-        mine = (len(self.param_groups), sum(p.numel() for g in self.param_groups for p in g["params"]),
-                self._backward_seen)
-        every = all_gather_objects(self.process_group, mine, self.timeout)
-        if len({v[:2] for v in every}) > 1:  # type: ignore[index]
-            seen = ", ".join(f"rank {r}: {v[0]} groups, {v[1]} elements" for r, v in enumerate(every))  # type: ignore[index]
+        ready = self._backward_seen if self.reducer is None else self.reducer.reductions > self._reductions
+        mine = [len(self.param_groups), sum(p.numel() for g in self.param_groups for p in g["params"]), int(ready)]
+        every = all_gather_ints(self.process_group, mine, self.timeout)
+        if len({tuple(v[:2]) for v in every}) > 1:
+            seen = ", ".join(f"rank {r}: {v[0]} groups, {v[1]} elements" for r, v in enumerate(every))
             raise ValueError(
                 f"ZeroRedundancyOptimizer.step: the ranks hold different parameter groups ({seen}). "
                 "Call add_param_group with the same group on every rank."
             )
-        idle = [r for r, v in enumerate(every) if not v[2]]  # type: ignore[index]
+        idle = [r for r, v in enumerate(every) if not v[2]]
+        if idle and self.reducer is not None:
+            raise RuntimeError(
+                f"ZeroRedundancyOptimizer.step: no synchronised backward since the last step on rank(s) {idle} "
+                f"(of {self.world_size}): the gradients are sharded only by a backward outside no_sync(); "
+                "run one before every step(), on every rank."
+            )
         if idle:
             raise RuntimeError(
                 f"ZeroRedundancyOptimizer.step: no backward since the last step on rank(s) {idle} "
@@ -182,26 +330,24 @@ class ZeroRedundancyOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ state dicts
 
-    def _local_to_global(self) -> list[int]:
-        """Each local parameter's position over all groups (the unsharded state dict's index)."""
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return [index[id(p)] for part in self._partition for p in part[self.rank]]
-
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state onto rank `to` (call on every rank)."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict(to={to}): expected a rank in 0..{self.world_size - 1}")
         local = self.optim.state_dict()["state"] if self.optim is not None else {}
-        # Local state keys run over the local groups in order, as _local_to_global does.
-        mine = {g: local[i] for i, g in enumerate(self._local_to_global()) if i in local}
+        # Local state keys run over the local pieces in order (`_local_pieces`).
+        mine = [(p.index, p.start, p.numel, p.whole, local[i]) for i, p in enumerate(self._local_pieces()) if i in local]
         gathered = all_gather_objects(self.process_group, mine, self.timeout)
         if self.rank != to:
             self._consolidated = None
             return
-        state: dict[int, Any] = {}
+        params = [p for g in self.param_groups for p in g["params"]]
+        by_param: dict[int, list[tuple[int, int, bool, dict[str, Any]]]] = {}
         for part in gathered:
-            state.update(part)  # type: ignore[call-overload]
-        self._consolidated = {"state": dict(sorted(state.items())), "param_groups": self._global_groups()}
+            for index, start, numel, whole, state in part:  # type: ignore[attr-defined]
+                by_param.setdefault(index, []).append((start, numel, whole, state))
+        merged = {i: _join_pieces(params[i], sorted(pieces, key=lambda t: t[0])) for i, pieces in by_param.items()}
+        self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": self._global_groups()}
 
     def _global_groups(self) -> list[dict[str, Any]]:
         start, groups = 0, []
@@ -232,16 +378,75 @@ class ZeroRedundancyOptimizer(Optimizer):
         for ours, theirs in zip(self.param_groups, groups):
             ours.update({k: v for k, v in theirs.items() if k != "params"})
         state = {int(k): v for k, v in state_dict.get("state", {}).items()}
+        params = [p for g in self.param_groups for p in g["params"]]
         if self.optim is not None:
             local = self.optim.state_dict()
-            local["state"] = {i: state[g] for i, g in enumerate(self._local_to_global()) if g in state}
+            local["state"] = {i: _cut_piece(params[p.index], p, state[p.index])
+                              for i, p in enumerate(self._local_pieces()) if p.index in state}
             local["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"}, "params": lg["params"]}
                                      for g, lg in zip(self.param_groups, local["param_groups"])]
             self.optim.load_state_dict(local)
         self._consolidated = None
 
     def __repr__(self) -> str:
+        total = sum(len(g["params"]) for g in self.param_groups)
+        if self.reducer is not None:
+            numel = sum(p.numel for p in self._pieces)
+            return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
+                    f"{self.world_size}, gradients sharded: steps {numel} elements of {total} parameters)")
         owned = sum(len(part[self.rank]) for part in self._partition)
         return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
-                f"{self.world_size}, owns {owned} of {sum(len(g['params']) for g in self.param_groups)} parameters)")
+                f"{self.world_size}, owns {owned} of {total} parameters)")
+
+
+def _wrapper_of(params: list[torch.Tensor]) -> Any:
+    """The live gradsync wrapper these parameters belong to, if any (one is required)."""
+    found = {id(w): w for p in params if (w := getattr(p, "_gradsync_wrapper", _none)()) is not None}
+    if len(found) > 1:
+        raise ValueError(
+            f"ZeroRedundancyOptimizer: the parameters belong to {len(found)} gradsync.DistributedDataParallel "
+            "wrappers; to shard gradients give each wrapper's parameters to an optimizer of their own, "
+            "or pass shard_gradients=False"
+        )
+    return next(iter(found.values()), None)
+
+
+def _none() -> None:
+    return None
+
+
+def _per_element(value: Any, numel: int) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
+
+
+def _join_pieces(param: torch.Tensor, pieces: list[tuple[int, int, bool, dict[str, Any]]]) -> dict[str, Any]:
+    """One parameter's state from its pieces' (in order): per-element tensors concatenated into
+    the parameter's shape and layout, everything else (a step count) from the first piece."""
+    if len(pieces) == 1 and pieces[0][2]:
+        return pieces[0][3]
+    first = pieces[0][3]
+    joined: dict[str, Any] = {}
+    for key, value in first.items():
+        if _per_element(value, pieces[0][1]):
+            whole = torch.empty_strided(param.size(), param.stride(), dtype=value.dtype)
+            flat(whole).copy_(torch.cat([state[key] for _, _, _, state in pieces]))
+            joined[key] = whole
+        else:
+            joined[key] = value
+    return joined
+
+
+def _cut_piece(param: torch.Tensor, piece: Piece, state: dict[str, Any]) -> dict[str, Any]:
+    """A piece's share of one parameter's whole state (the inverse of `_join_pieces`)."""
+    if piece.whole:
+        return state
+    cut: dict[str, Any] = {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == param.shape:
+            laid = torch.empty_strided(param.size(), param.stride(), dtype=value.dtype, device=value.device)
+            laid.copy_(value)
+            cut[key] = flat(laid)[piece.start:piece.start + piece.numel].clone()
+        else:
+            cut[key] = value
+    return cut
 

@@ -1,0 +1,285 @@
+"""Sharded gradients (ZeRO-2): `gradsync.ZeroRedundancyOptimizer` over a gradsync wrapper's
+reduce-scattered buckets, against torch's DDP with the same unsharded optimizer, on real gloo
+groups in threads. Two ranks sum in one order whatever the collective, so the parameters are
+equal bit for bit there (clipping aside: its norm is summed from the shards', in another order);
+memory per rank is the shards, not the gradients; bad input is refused before any collective."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from models import make_batches
+from parity import _build, _loss, _shard
+from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
+
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync import ZeroRedundancyOptimizer
+from gradsync.testing import RankError, run_threaded
+
+STEPS = 4
+ADAM = (torch.optim.Adam, {"lr": 0.01})
+OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adam": ADAM,
+              "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
+
+
+def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=ADAM, wrap=None,
+           micro=1, clip=None, overlap=False, channels_last=False, native=False, wrapper=None):
+    cls, kwargs = optimizer
+    model = _build(model_name)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    wrapper = wrapper or (GradsyncDDP if sharded else TorchDDP)
+    ddp = wrapper(model, process_group=group, **(wrap or {}))
+    if native:  # the device backends' way: reduce-scatter and all-gather themselves
+        ddp.shard_gradients(by_all_reduce=False)
+    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, overlap_param_gather=overlap, **kwargs)
+           if sharded else cls(model.parameters(), **kwargs))
+    if sharded:
+        assert opt.shards_gradients
+    norms = []
+    for batch in batches:
+        opt.zero_grad()
+        parts = _shard(batch, rank, world).chunk(micro)
+        for i, part in enumerate(parts):
+            with ddp.no_sync() if i < len(parts) - 1 else _nothing():
+                _loss(ddp(part)).backward()
+        if sharded and not (wrap or {}).get("gradient_as_bucket_view"):  # each lives in its bucket's shard now
+            assert all(p.grad is None for p in model.parameters())
+        if clip is not None:
+            norm = (opt.clip_grad_norm_(clip) if sharded
+                    else torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+            norms.append(float(norm))
+        opt.step()
+        if overlap:  # the other ranks' parts arrive during the next forward
+            assert opt._gathers.pending
+    if sharded:
+        opt.wait_parameters()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, norms
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *_):
+        return False
+
+
+def _assert_same(got, want, exact=True, what=""):
+    for name in want:
+        if exact:
+            assert torch.equal(got[name], want[name]), (what, name, (got[name] - want[name]).abs().max())
+        else:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+def test_sharded_gradients_give_torch_ddps_parameters_bit_for_bit(optimizer):
+    batches = make_batches(STEPS, 2)
+    for wrap in ({}, {"bucket_cap_mb": 0.001}, {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001}):
+        want = run_threaded(_train, 2, 2, batches, sharded=False, optimizer=OPTIMIZERS[optimizer])[0][0]
+        for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, optimizer=OPTIMIZERS[optimizer], wrap=wrap):
+            _assert_same(got, want, what=str(wrap))
+
+
+@pytest.mark.parametrize("case", ["no_sync", "find_unused", "static_graph", "channels_last", "overlap", "native"])
+def test_sharded_gradients_keep_parity_through_the_wrappers_features(case):
+    batches = make_batches(STEPS, 2, per_rank=8)
+    options = {
+        "no_sync": dict(micro=2),
+        "find_unused": dict(model_name="unused_branch", wrap={"find_unused_parameters": True}),
+        "static_graph": dict(model_name="unused_branch", wrap={"static_graph": True}),
+        "channels_last": dict(model_name="conv", channels_last=True, wrap={"bucket_cap_mb": 0.0005}),
+        "overlap": dict(wrap={"bucket_cap_mb": 0.001}),
+        "native": dict(wrap={"bucket_cap_mb": 0.001}),
+    }[case]
+    reference = {k: v for k, v in options.items() if k != "wrap"}
+    if case in ("find_unused", "static_graph"):
+        reference["wrap"] = options["wrap"]
+    want = run_threaded(_train, 2, 2, batches, sharded=False, **reference)[0][0]
+    for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, overlap=case in ("overlap", "native"),
+                               native=case == "native", **options):
+        _assert_same(got, want, what=case)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_clipping_by_the_global_norm_reduces_the_shards_norms(world):
+    batches = make_batches(STEPS, world)
+    want = run_threaded(_train, world, world, batches, sharded=False, clip=0.05)[0]
+    for got, norms in run_threaded(_train, world, world, batches, sharded=True, clip=0.05):
+        assert norms == pytest.approx(want[1], rel=1e-5) and min(norms) > 0.05  # every step clipped
+        _assert_same(got, want[0], exact=False, what="clipped")
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_three_ranks_agree_with_torch(native):
+    # A real reduce-scatter (the device backends') adds the three contributions in another
+    # order than all-reduce, and gloo's all-reduce picks its order by length (so DDP's rebuilt
+    # buckets differ too): the last bit differs, which Adam carries on. Close, not equal.
+    batches = make_batches(STEPS, 3)
+    want = run_threaded(_train, 3, 3, batches, sharded=False)[0][0]
+    outs = run_threaded(_train, 3, 3, batches, sharded=True, native=native, wrap={"bucket_cap_mb": 0.001})
+    for got, _ in outs:
+        _assert_same(got, want, exact=False, what="3 ranks")
+    assert all(torch.equal(outs[0][0][n], o[0][n]) for o in outs for n in want)  # the ranks agree exactly
+
+
+def test_on_gloo_each_shard_is_the_unsharded_wrappers_gradient_bit_for_bit():
+    # Reduced by all-reduce, reports riding in the last bucket as unsharded: the same sums.
+    batch = make_batches(1, 3)[0]
+
+    def body(rank, group, sharded):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb_list=[0.001])  # these buckets from the start
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1) if sharded else None
+        _loss(ddp(_shard(batch, rank, 3))).backward()
+        if not sharded:
+            return [p.grad.clone() for p in model.parameters()]
+        opt.clip_grad_norm_(float("inf"))  # takes the shards; clips nothing
+        return [(p.index, p.start, p.tensor.grad.clone()) for p in opt._pieces]
+
+    whole = run_threaded(body, 3, False)
+    for rank, pieces in enumerate(run_threaded(body, 3, True)):
+        assert pieces
+        for index, start, grad in pieces:
+            assert torch.equal(grad.reshape(-1), whole[rank][index].reshape(-1)[start:start + grad.numel()])
+
+
+def test_memory_per_rank_is_the_shards_and_state_of_one_nth():
+    model_name, world = "mlp", 2
+
+    def body(rank, group):
+        model = _build(model_name)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.002)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
+        live = []  # buckets holding a buffer, seen from every gradient's hook (after the reducer's)
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(
+                lambda _: live.append(sum(b.wire.numel() > 0 for b in ddp.reducer.buckets)))
+        _loss(ddp(torch.ones(4, 8))).backward()
+        opt.step()
+        assert 1 <= max(live) <= 2  # buckets_in_flight=2: the others dropped once reduced
+        buffers = sum(b.wire.numel() for b in ddp.reducer.buckets)
+        shards = sum(b.shard.numel() for b in ddp.reducer.buckets)
+        state = sum(t.numel() for s in opt.optim.state.values() for t in s.values() if t.dim() > 0)
+        grads = sum(p.grad.numel() for p in model.parameters() if p.grad is not None)
+        return buffers, shards, state, grads, len(ddp.reducer.buckets)
+
+    numel = sum(p.numel() for p in _build(model_name).parameters())
+    results = run_threaded(body, world)
+    for buffers, shards, state, grads, buckets in results:
+        assert buffers == 0 and grads == 0  # no bucket buffer kept, no whole gradient left
+        assert shards <= numel / world + buckets  # a shard per bucket, padded to the world size
+        assert state <= 2 * (numel / world + buckets)  # Adam: exp_avg and exp_avg_sq of the shard
+    assert sum(r[2] for r in results) == 2 * numel  # all of the state, none of it twice
+
+
+def test_a_consolidated_sharded_state_is_the_plain_optimizers_and_loads_anywhere():
+    batches = make_batches(2 * STEPS, 6)
+
+    def first_half(rank, group, world, sharded):
+        model = _build("mlp")
+        ddp = (GradsyncDDP if sharded else TorchDDP)(model, process_group=group, bucket_cap_mb=0.001)
+        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
+               if sharded else torch.optim.Adam(model.parameters(), lr=0.01))
+        for batch in batches[:STEPS]:
+            opt.zero_grad()
+            _loss(ddp(_shard(batch, rank, world))).backward()
+            opt.step()
+        if sharded:
+            opt.consolidate_state_dict(to=0)
+        return (copy.deepcopy(opt.state_dict()) if rank == 0 else None,
+                {n: p.detach().clone() for n, p in model.named_parameters()})
+
+    def second_half(rank, group, world, saved, params, sharded):
+        model = _build("mlp")
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(params[n])
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.0007)  # other buckets, other shards
+        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
+               if sharded else torch.optim.Adam(model.parameters(), lr=0.01))
+        opt.load_state_dict(copy.deepcopy(saved))
+        for batch in batches[STEPS:]:
+            opt.zero_grad()
+            _loss(ddp(_shard(batch, rank, world))).backward()
+            opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    saved, params = run_threaded(first_half, 2, 2, True)[0]
+    plain_saved, plain_params = run_threaded(first_half, 2, 2, False)[0]
+    _assert_same(params, plain_params)
+    assert sorted(saved["state"]) == sorted(plain_saved["state"])
+    for i, state in plain_saved["state"].items():
+        for key, value in state.items():
+            assert torch.equal(torch.as_tensor(saved["state"][i][key]), torch.as_tensor(value)), (i, key)
+    resumed_plain = run_threaded(second_half, 2, 2, saved, params, False)[0]
+    for world in (2, 3):  # saved at 2 with one layout, loaded at 2 and 3 with another
+        for out in run_threaded(second_half, world, world, saved, params, True):
+            _assert_same(out, resumed_plain, exact=world == 2, what=f"resumed at {world}")
+
+
+def test_a_step_after_only_unsynchronised_backwards_is_refused_on_every_rank():
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        _loss(ddp(torch.ones(2, 8))).backward()
+        opt.step()
+        with ddp.no_sync():
+            _loss(ddp(torch.ones(2, 8))).backward()
+        with pytest.raises(RuntimeError) as info:
+            opt.step()
+        return str(info.value)
+
+    first, second = run_threaded(body, 2)
+    assert first == second and "no synchronised backward since the last step on rank(s) [0, 1]" in first
+
+
+def test_bad_input_is_refused_before_any_collective():
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group)
+        params = list(model.parameters())
+        with pytest.raises(ValueError, match=r"must hold every trainable parameter.*missing: \['net.2.weight'"):
+            ZeroRedundancyOptimizer(params[:2], torch.optim.SGD, process_group=group, lr=0.1)  # split in two
+        outsider = torch.nn.Parameter(torch.ones(3))
+        with pytest.raises(ValueError, match="not synchronised by that wrapper"):
+            ZeroRedundancyOptimizer(params + [outsider], torch.optim.SGD, process_group=group, lr=0.1)
+        opt = ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(ValueError, match="another sharded optimizer"):
+            ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(ValueError, match="give every group at construction"):
+            opt.add_param_group({"params": [outsider]})
+        with pytest.raises(ValueError, match="communication hook"):
+            ddp.register_comm_hook(None, lambda state, bucket: None)
+        with pytest.raises(NotImplementedError, match="sharded gradients"):
+            with ddp.join():
+                pass
+        auto = GradsyncDDP(_build("mlp"), process_group=group, bucket_cap_mb="auto")
+        with pytest.raises(ValueError, match='bucket_cap_mb="auto"'):
+            ZeroRedundancyOptimizer(auto.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(ValueError, match="must belong to a gradsync"):
+            ZeroRedundancyOptimizer([outsider], torch.optim.SGD, process_group=group, shard_gradients=True, lr=0.1)
+        return repr(opt)
+
+    assert all("gradients sharded" in r for r in run_threaded(body, 2))
+
+
+def test_a_rank_that_skips_the_step_makes_the_other_raise_not_hang():
+    from datetime import timedelta
+
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                      timeout=timedelta(seconds=2), lr=0.1)
+        _loss(ddp(torch.ones(2, 8))).backward()
+        if rank == 0:
+            opt.step()
+        return "done"
+
+    with pytest.raises(RankError, match="rank 0"):
+        run_threaded(body, 2, timeout=30)
