@@ -126,6 +126,7 @@ class Reducer:
         self._in_flight: int | None = None  # at most this many transient buckets reducing at once
         self.reductions = 0  # synchronised iterations finished (a sharded optimizer counts them)
         self.last_used: list[int] | None = None  # the used map they were written back with
+        self.shard_owner: Callable[[], object] | None = None  # the sharded optimizer's weak reference
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
             self.config.static_graph or not self._find_unused

@@ -144,12 +144,12 @@ class ZeroRedundancyOptimizer(Optimizer):
                 f"{[named.get(i, '?') for i in extra][:8] or 'none'}. Give all of the wrapper's parameters to "
                 "one sharded optimizer (parameter groups may differ), or pass shard_gradients=False (ZeRO-1)."
             )
-        if reducer.sharded and getattr(reducer, "sharded_by", lambda: None)() is not None:
+        if reducer.shard_owner is not None and reducer.shard_owner() is not None:
             raise ValueError("ZeroRedundancyOptimizer: another sharded optimizer already holds this wrapper's "
                              "gradients; build one per wrapper")
         check_dense(reducer)
         self.reducer = wrapper.shard_gradients(in_flight)
-        reducer.sharded_by = weakref.ref(self)  # type: ignore[attr-defined]
+        reducer.shard_owner = weakref.ref(self)
         position = {id(p): i for i, p in enumerate(params_all)}
         self._pieces = pieces_of(reducer, position)
         self._had_grad: set[int] = set()  # reducer indices with a gradient since zero_grad(set_to_none=True)
