@@ -11,11 +11,12 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
     check on); a hook whose `.then` finishes late on a stream of its own; gradients produced on
     a side stream; the event-timed timeline against the step's device time and host enqueue
     times; the stall watchdog with a slowed bucket; 256 one-parameter buckets with a hook;
-    step time against torch's DDP on a GPT-2-small shape in bf16 autocast (defaults and
-    find_unused_parameters).
+    ZeroRedundancyOptimizer with sharded gradients (NCCL's reduce-scatter and all-gather)
+    against plain AdamW; step time against torch's DDP on a GPT-2-small shape in bf16
+    autocast (defaults and find_unused_parameters).
 (B) two ranks (threads) with gloo on CUDA tensors: parity with torch's DDP for the defaults,
     bucket views, mixed precision, the fp16 hook, PowerSGD, find_unused_parameters, static
-    graph, no_sync and BatchNorm buffers.
+    graph, no_sync, BatchNorm buffers and ZeRO-2 (sharded gradients, against plain SGD).
 """
 
 from __future__ import annotations
@@ -283,6 +284,21 @@ def many_buckets(group: dist.ProcessGroup, device: torch.device) -> dict:
     return {"buckets": len(ddp.reducer.buckets), "max_abs_error": worst}
 
 
+@check("A9 sharded gradients (ZeRO-2): the backend's reduce-scatter and all-gather, AdamW")
+def zero_sharded(group: dist.ProcessGroup, device: torch.device) -> dict:
+    model, reference = mlp().to(device), mlp().to(device)
+    ddp = gradsync.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05)
+    opt = gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    x = torch.randn(16, 256, device=device)
+    steps(ddp, opt, x, 5)
+    steps(reference, plain, x, 5)
+    worst = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    assert opt.shards_gradients and worst == 0.0, f"differs from plain AdamW by {worst:.3g}"
+    return {"buckets": len(ddp.reducer.buckets), "by_all_reduce": ddp.reducer.shards_by_all_reduce,
+            "max_abs_diff_vs_plain_adamw": worst}
+
+
 def gpt2_small(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
 
@@ -360,12 +376,14 @@ PARITY = {
     "static graph": {"static_graph": True},
     "no_sync": {"no_sync": True},
     "BatchNorm buffers": {"broadcast_buffers": True},
+    "ZeRO-2 (sharded gradients, SGD momentum)": {"zero": True},
 }
 
 
 def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device, spec: dict) -> list[torch.Tensor]:
     spec = dict(spec)
     hook, mixed, branch, no_sync = spec.pop("hook", None), spec.pop("mixed", False), spec.pop("branch", False), spec.pop("no_sync", False)
+    zero = spec.pop("zero", False) and cls is gradsync.DistributedDataParallel  # torch's side: plain SGD
     model = seeded(Branchy, 0).to(device)  # locked: the rank threads share torch's generator
     if mixed:  # torch's DDP policy, taken by both (torch's needs device events: CUDA only)
         from torch.nn.parallel.distributed import _MixedPrecision
@@ -379,7 +397,9 @@ def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device,
         state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
                                    min_compression_rate=0.5, use_error_feedback=True, warm_start=True, random_seed=0)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = (gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.05,
+                                            momentum=0.9) if zero
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     gen = torch.Generator().manual_seed(rank)
     for step in range(5):
         opt.zero_grad(set_to_none=True)
@@ -451,6 +471,7 @@ def main() -> int:
     event_timeline(group, device)
     watchdog(group, device)
     many_buckets(group, device)
+    zero_sharded(group, device)
     step_time(group, device, args.quick)
     parity(device)
     if dist.is_initialized():
