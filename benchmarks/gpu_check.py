@@ -28,6 +28,7 @@ import json
 import logging
 import statistics
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -45,9 +46,10 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
 
 import gradsync  # noqa: E402
 from gradsync import EventKind  # noqa: E402
-from gradsync.testing import make_gloo_group, run_threaded, seeded  # noqa: E402
+from gradsync.testing import make_gloo_group, run_processes, run_threaded, seeded  # noqa: E402
 
 RESULTS: list[dict[str, Any]] = []
+ONLY: list[str] = []  # --only: the checks to run, by words of their names
 
 
 def check(name: str):
@@ -55,6 +57,8 @@ def check(name: str):
 
     def wrap(fn):
         def run(*args: Any) -> None:
+            if ONLY and not any(word.lower() in name.lower() for word in ONLY):
+                return
             start = time.perf_counter()
             try:
                 outcome = fn(*args)
@@ -242,11 +246,17 @@ def watchdog(group: dist.ProcessGroup, device: torch.device) -> dict:
         if bucket.index() != 0:
             return fut
 
-        def late(f: torch.futures.Future) -> torch.Tensor:
-            time.sleep(1.5)  # a peer that arrives late: the Future completes 1.5 s after launch
-            return f.value()
+        # A peer that arrives late: the Future completes 1.5 s after launch, on a thread of its
+        # own. (A `.then` callback would run inline when the all-reduce of a world of one has
+        # already completed, stalling backward inside the hook instead of at its end.)
+        late = torch.futures.Future(devices=[device] if device.type == "cuda" else None)
 
-        return fut.then(late)
+        def complete() -> None:
+            time.sleep(1.5)
+            late.set_result(fut.wait())
+
+        threading.Thread(target=complete, daemon=True).start()
+        return late
 
     try:
         model = mlp().to(device)
@@ -428,14 +438,21 @@ def _threads(cls: type, device: torch.device, spec: dict) -> list:
         gc.collect()
 
 
+def _processes(cls: type, device: torch.device, spec: dict) -> list:
+    return run_processes(_train, 2, cls, device, spec, timeout=180)
+
+
 def parity(device: torch.device) -> None:
     for name, spec in PARITY.items():
         @check(f"B parity with torch's DDP, 2 ranks, gloo on {device.type} tensors: {name}")
         def one(spec: dict = spec) -> dict:
             if spec.get("mixed") and device.type != "cuda":
                 return "SKIP", {"why": "torch's DDP mixed precision needs device events (tests/threaded/test_ddp.py checks gradsync's against a direct reference)"}
-            ours = _threads(gradsync.DistributedDataParallel, device, spec)
-            theirs = _threads(TorchDDP, device, spec)
+            # PowerSGD seeds torch's global generator inside its hook: rank threads would race on
+            # it, so that case runs its ranks as processes.
+            ranks = _processes if spec.get("hook") == "powersgd" else _threads
+            ours = ranks(gradsync.DistributedDataParallel, device, spec)
+            theirs = ranks(TorchDDP, device, spec)
             # Parameters and buffers against torch's, rank by rank; parameters across ranks
             # (buffers end as each rank's last batch left them).
             worst = max((a - b).abs().max().item() for (o, _), (t, _) in zip(ours, theirs) for a, b in zip(o, t))
@@ -453,7 +470,10 @@ def main() -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="fewer timing rounds")
     parser.add_argument("--out", default=str(ROOT / "out" / "gpu_check.json"))
+    parser.add_argument("--only", action="append", default=[], metavar="WORDS",
+                        help="run only the checks whose name contains WORDS (repeatable), for a rerun")
     args = parser.parse_args()
+    ONLY.extend(args.only)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("FAIL  no CUDA device visible to torch (use --device cpu to run the checks' logic on CPU)")
         return 1
