@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from gradsync.engine.bucket import Bucket
+from gradsync.engine.pool import BufferPool
 from gradsync.engine.reducer import Phase
 from gradsync.engine.static_graph import StaticGraph
 
@@ -84,3 +85,33 @@ def test_static_graph_learns_counts_then_marks_on_the_last_firing():
 @pytest.mark.parametrize("phase", list(Phase))
 def test_phases_have_names(phase):
     assert phase.value == phase.name.lower()
+
+
+def test_a_pool_lends_the_smallest_fitting_buffer_and_keeps_no_more_than_asked():
+    pool = BufferPool(keep=2)
+    a, b = pool.take(10, torch.float32, torch.device("cpu")), pool.take(100, torch.float32, torch.device("cpu"))
+    pool.give(b)
+    pool.give(a)
+    assert pool.take(5, torch.float32, torch.device("cpu")) is a  # smallest that fits
+    assert pool.take(5, torch.float64, torch.device("cpu")) is not b  # never another dtype
+    pool.give(a)
+    pool.give(pool.take(1000, torch.float32, torch.device("cpu")))  # b was too small: a third
+    assert pool.allocations == 4 and pool.held_bytes == (100 + 1000) * 4  # a, the smallest, dropped
+    with pytest.raises(ValueError, match="keep=-1"):
+        BufferPool(keep=-1)
+
+
+def test_a_transient_bucket_on_a_stale_lent_buffer_zeros_its_padding_and_tail():
+    pool = BufferPool(keep=1)
+    pool.give(torch.full((16,), 7.0))  # what another bucket left behind
+    params = _params((3,), (2,))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    bucket = Bucket(0, [0, 1], params, collective="reduce_scatter", world_size=2, transient=True,
+                    by_all_reduce=True, tail=2, pool=pool)
+    assert bucket.wire.numel() == 0  # nothing held until the fill
+    bucket.fill(divisor=2, as_view=False)
+    assert bucket.wire.tolist() == [0.5] * 5 + [0.0] * 2  # gradients / 2, then the tail zeroed
+    assert all(p.grad is None for p in params)  # the bucket holds them now
+    bucket.release()
+    assert bucket.wire.numel() == 0 and pool.allocations == 0 and pool.held_bytes == 16 * 4

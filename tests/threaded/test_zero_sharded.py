@@ -6,6 +6,7 @@ memory per rank is the shards, not the gradients; bad input is refused before an
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -161,6 +162,16 @@ def test_memory_per_rank_is_the_shards_and_state_of_one_nth():
         _loss(ddp(torch.ones(4, 8))).backward()
         opt.step()
         assert 1 <= max(live) <= 2  # buckets_in_flight=2: the others dropped once reduced
+        pool, made = ddp.reducer.buffer_pool, ddp.reducer.buffer_pool.allocations
+        for _ in range(2):
+            opt.zero_grad()
+            _loss(ddp(torch.ones(4, 8))).backward()
+            opt.step()
+        # Buffers (reductions and gathers alike) are lent again, not made anew, and no more
+        # are kept than can be in flight at once: 2 reducing and one filling.
+        assert pool.allocations == made and made <= 3
+        widest = max(b.shard.numel() * world for b in ddp.reducer.buckets)
+        assert pool.held_bytes <= 3 * widest * 4
         buffers = sum(b.wire.numel() for b in ddp.reducer.buckets)
         shards = sum(b.shard.numel() for b in ddp.reducer.buckets)
         state = sum(t.numel() for s in opt.optim.state.values() for t in s.values() if t.dim() > 0)
@@ -221,6 +232,27 @@ def test_a_consolidated_sharded_state_is_the_plain_optimizers_and_loads_anywhere
             _assert_same(out, resumed_plain, exact=world == 2, what=f"resumed at {world}")
 
 
+def test_a_rank_without_a_synchronised_backward_raises_and_the_other_times_out():
+    from datetime import timedelta
+
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group)
+        ddp.reducer.configure(timeout=timedelta(seconds=2))
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        try:
+            with ddp.no_sync() if rank == 1 else contextlib.nullcontext():
+                _loss(ddp(torch.ones(2, 8))).backward()  # rank 0 waits here for rank 1's reduction
+            opt.step()
+        except Exception as error:  # noqa: BLE001 - each rank's error is the result
+            return f"{type(error).__name__}: {error}"
+        return "no error"
+
+    first, second = run_threaded(body, 2, timeout=30)
+    assert "no synchronised backward since the last step on rank 1 (of 2)" in second
+    assert "ReductionTimeoutError" in first and "rank 0/2" in first, first
+
+
 def test_a_step_after_only_unsynchronised_backwards_is_refused_on_every_rank():
     def body(rank, group):
         model = _build("mlp")
@@ -234,8 +266,10 @@ def test_a_step_after_only_unsynchronised_backwards_is_refused_on_every_rank():
             opt.step()
         return str(info.value)
 
+    # Each rank knows it had no synchronised backward: refused there, with no collective.
     first, second = run_threaded(body, 2)
-    assert first == second and "no synchronised backward since the last step on rank(s) [0, 1]" in first
+    assert "no synchronised backward since the last step on rank 0 (of 2)" in first
+    assert "no synchronised backward since the last step on rank 1 (of 2)" in second
 
 
 def test_bad_input_is_refused_before_any_collective():

@@ -15,17 +15,30 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["COLLECTIVES", "FUSED_COPY_MIN_NUMEL", "Bucket", "is_dense_permutation", "view_like"]
+from .pool import BufferPool
+
+__all__ = ["COLLECTIVES", "FUSED_COPY_MIN_NUMEL", "Bucket", "Sharding", "is_dense_permutation", "view_like"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
 
 # Gradients at least this large are scaled while copied into their bucket, one pass each;
 # smaller ones are copied in one batched call and scaled with the whole buffer.
 FUSED_COPY_MIN_NUMEL = 1 << 15
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a reducer's buckets are reduce-scattered (`Reducer.shard_gradients`)."""
+
+    rank: int  # whose shard each bucket keeps
+    transient: bool  # a buffer only from its fill until its reduction has landed
+    by_all_reduce: bool  # reduced whole in place, the shard copied out (host backends)
+    pool: BufferPool | None = None  # lends transient buffers (else each is allocated anew)
 
 
 class Bucket:
@@ -44,6 +57,7 @@ class Bucket:
         rank: int = 0,
         transient: bool = False,
         by_all_reduce: bool = False,
+        pool: BufferPool | None = None,
     ):
         if collective not in COLLECTIVES:
             raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
@@ -77,6 +91,8 @@ class Bucket:
         # reduce-scatter has completed: gradient memory is then the shards plus the buckets in
         # flight, not a second copy of every gradient.
         self.transient = transient
+        self._pool = pool if transient else None
+        self._lent: torch.Tensor | None = None  # the pool's buffer `wire` is a view of
         self._dtype, self._device = dtype or first.dtype, first.device
         self.views: list[torch.Tensor] = []
         if transient:
@@ -114,8 +130,16 @@ class Bucket:
         return self._tail_numel > 0
 
     def allocate(self) -> None:
-        """Give the bucket its buffer (zeros: the padding and tail must be) and the views."""
-        self.wire = torch.zeros(self._wire_numel, dtype=self._dtype, device=self._device)
+        """Give the bucket its buffer (zeros: the padding and tail must be) and the views.
+        A buffer lent by the pool is stale: only what lies past the gradients is zeroed, since
+        `fill` writes every view."""
+        if self._pool is None:
+            self.wire = torch.zeros(self._wire_numel, dtype=self._dtype, device=self._device)
+        else:
+            self._lent = self._pool.take(self._wire_numel, self._dtype, self._device)
+            self.wire = self._lent.narrow(0, 0, self._wire_numel)
+            if self._wire_numel > self.numel:
+                self.wire.narrow(0, self.numel, self._wire_numel - self.numel).zero_()
         self.buffer = self.wire.narrow(0, 0, self.numel) if self._wire_numel != self.numel else self.wire
         self.tail = self.wire.narrow(0, self.numel, self._tail_numel) if self._tail_numel else None
         self.payload = self.buffer
@@ -123,8 +147,12 @@ class Bucket:
             view_like(self.buffer, offset, p) for offset, p in zip(self.offsets, self.params)
         ] if not self.sparse else []
 
-    def release(self) -> None:
-        """Drop a transient bucket's buffer (its collective has completed)."""
+    def release(self, reusable: bool = True) -> None:
+        """Drop a transient bucket's buffer; back to the pool if `reusable` (its collective
+        has been waited for: nothing but a view still unread, such as the tail, refers to it)."""
+        if self._lent is not None and reusable:
+            self._pool.give(self._lent)  # type: ignore[union-attr]
+        self._lent = None
         self.wire = self.buffer = self.payload = torch.empty(0, dtype=self._dtype, device=self._device)
         self.tail, self.views = None, []
 
@@ -297,8 +325,8 @@ class Bucket:
             self.payload = value
 
     def reset(self) -> None:
-        if self.transient and self.views:
-            self.release()
+        if self.transient and self.views:  # an iteration abandoned: its collective may still run
+            self.release(reusable=self.work is None or self.work.is_completed())
         self.pending = len(self.params)
         self.work = None
         self.landed = False  # reduced, its work dropped (a transient bucket, `Reducer._settle`)

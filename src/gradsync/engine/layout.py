@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .bucket import Bucket
+from .bucket import Bucket, Sharding
 from .bucketing import compute_bucket_assignment_by_size
 from .collectives import broadcast_tensors
 from .errors import format_names
@@ -28,18 +28,17 @@ def make_buckets(
     sparse: Sequence[bool],
     dtype: torch.dtype | None,
     world_size: int,
-    shards: tuple[int, bool, bool] | None = None,
+    shards: Sharding | None = None,
 ) -> list[Bucket]:
     """The buckets of `layout`. The last one carries one element per rank after its gradients,
-    where each rank's report rides (`accumulation`). With `shards` (this rank, transient, by
-    all-reduce) the buckets are reduce-scattered instead, and carry no tail unless all-reduced."""
+    where each rank's report rides (`accumulation`). With `shards` the buckets are
+    reduce-scattered instead, and carry no tail unless all-reduced."""
     last = len(layout) - 1
     if shards is not None:
-        rank, transient, by_all_reduce = shards
         return [
             Bucket(b, indices, params, dtype=dtype, collective="reduce_scatter", world_size=world_size,
-                   rank=rank, transient=transient, by_all_reduce=by_all_reduce,
-                   tail=world_size if b == last and world_size > 1 and by_all_reduce else 0)
+                   rank=shards.rank, transient=shards.transient, by_all_reduce=shards.by_all_reduce,
+                   pool=shards.pool, tail=world_size if b == last and world_size > 1 and shards.by_all_reduce else 0)
             for b, indices in enumerate(layout)
         ]
     return [

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import layout as layouts
 from . import missing, static_graph
 from .accumulation import Reports, decode, uneven
-from .bucket import Bucket
+from .bucket import Bucket, Sharding
 from .bucketing import validate_bucket_indices
 from .checks import check_finite
 from .comm import CommHook, HookChain, check_registration
@@ -50,6 +50,7 @@ from .errors import (
     uneven_accumulation_message,
 )
 from .events import EventClock, last_tokens, resolve_timeline
+from .pool import BufferPool
 from .profiling import profiled as _profiled
 from .static_graph import StaticGraph
 from .timeline import DiscardedEvents, EventKind, IterationTimeline
@@ -120,9 +121,7 @@ class Reducer:
         self._scale_at_launch = self.config.casts_to_reduce(self.params[0].dtype)
         self.buckets: list[Bucket] = []
         self._bucket_of: list[Bucket] = []  # parameter index -> its bucket
-        # Sharded gradients (`shard_gradients`): (this rank, transient buckets, reduced by
-        # all-reduce), else None.
-        self._shards: tuple[int, bool, bool] | None = None
+        self._shards: Sharding | None = None  # sharded gradients (`shard_gradients`)
         self._in_flight: int | None = None  # at most this many transient buckets reducing at once
         self.reductions = 0  # synchronised iterations finished (a sharded optimizer counts them)
         self.last_used: list[int] | None = None  # the used map they were written back with
@@ -203,7 +202,11 @@ class Reducer:
             raise ValueError(f"gradsync: cannot shard the gradients: {'; '.join(refused)}")
         if by_all_reduce is None:
             by_all_reduce = host_runs_collectives(self.process_group)
-        self._shards = (self.rank, not self.config.gradient_as_bucket_view, by_all_reduce)
+        transient = not self.config.gradient_as_bucket_view
+        # Transient buffers are lent: as many as can be live at once (those reducing and the
+        # one filling) stay warm between steps (`BufferPool`).
+        pool = BufferPool(keep=in_flight + 1 if in_flight is not None else 2) if transient else None
+        self._shards = Sharding(self.rank, transient, by_all_reduce, pool)
         self._in_flight = in_flight
         self._needs_rebuild = False
         self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
@@ -214,9 +217,15 @@ class Reducer:
         return self._shards is not None
 
     @property
+    def buffer_pool(self) -> BufferPool | None:
+        """Lends the transient buckets' buffers (sharded, without bucket views); a sharded
+        optimizer's gathers borrow from it too, outside backward."""
+        return self._shards.pool if self._shards is not None else None
+
+    @property
     def shards_by_all_reduce(self) -> bool:
         """Sharded, each bucket reduced whole by all-reduce (the host backends' way)."""
-        return self._shards is not None and self._shards[2]
+        return self._shards is not None and self._shards.by_all_reduce
 
     @property
     def rebuilt(self) -> bool:
@@ -446,7 +455,7 @@ class Reducer:
             # gloo's reduce-scatter has no Future: its completion is recorded when waited for.
         if self._chain is not None:
             self._chain.release(self._next_bucket)
-        elif self._shards is not None and self._shards[1]:
+        elif self._shards is not None and self._shards.transient:
             self._settle_landed()
         if self._next_bucket == len(buckets) and self.phase is _BACKWARD:
             self._all_launched()
@@ -467,8 +476,8 @@ class Reducer:
         if self._clock is not self._device_clock:  # gloo's reduce-scatter has no Future to time it by
             self._timeline.events.append((self._clock(), EventKind.COMPLETE, bucket.index))
         bucket.take_shard()
-        if bucket.transient:
-            bucket.release()
+        if bucket.transient:  # back to the pool; the last bucket's tail is read before any
+            bucket.release()  # bucket takes a buffer again (`finish_backward`)
         bucket.work, bucket.landed = None, True  # the work holds the buffer too
 
     def _all_launched(self) -> None:

@@ -28,8 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..engine.bucket import is_dense_permutation, view_like
+from ..engine.bucket import Bucket, is_dense_permutation, view_like
 from ..engine.collectives import all_reduce, wait
+from ..engine.pool import BufferPool
 from ..engine.reducer import Reducer
 
 __all__ = ["Gathers", "Piece", "clip_sharded", "flat", "pieces_of"]
@@ -107,11 +108,16 @@ class Gathers:
         bucket_of = {j: b for b, bucket in enumerate(self.buckets) for j in bucket.param_indices}
         for piece in pieces:  # in bucket order, covering each bucket's slice in order
             self._mine[bucket_of[piece.reducer_index]].append(flat(piece.tensor) if piece.whole else piece.tensor)
-        self._targets = [[flat(p) for p in bucket.params] for bucket in self.buckets]
+        # What `finish` writes: the parts of the parameters outside this rank's slice (its own
+        # part is what its optimizer stepped, in place), as (before, after) the slice.
+        self._others = [_outside(bucket) for bucket in self.buckets]
         # gloo's all-gather copies its output and is slower than one broadcast per rank (16 MiB,
         # 2 ranks: 18 vs 5 ms on loopback, 55 vs 40 ms at 2 Gbit/s): where the buckets were
         # all-reduced (host backends) the slices are broadcast; device backends all-gather.
         self._by_broadcasts = reducer.shards_by_all_reduce
+        # Gather buffers are borrowed from the reducer's pool: the buckets' buffers are idle
+        # from the end of backward to the next fill, which is when parameters are gathered.
+        self._pool = reducer.buffer_pool or BufferPool(keep=2)
         self._pending: dict[int, tuple[torch.Tensor, list[dist.Work]]] = {}
         self._handles = _attach(self, module, reducer, bucket_of)
 
@@ -128,10 +134,11 @@ class Gathers:
                 if window is not None and len(self._pending) >= window:
                     self.finish([min(self._pending)])
                 chunk, rank = bucket.shard.numel(), self.group.rank()
-                full = torch.empty(chunk * self.group.size(), dtype=bucket.shard.dtype, device=bucket.shard.device)
+                lent = self._pool.take(chunk * self.group.size(), bucket.shard.dtype, bucket.shard.device)
+                full = lent.narrow(0, 0, chunk * self.group.size())
                 if self._mine[b]:  # past this rank's pieces: padding, never read back
                     torch._foreach_copy_(_runs(full, rank * chunk, self._mine[b]), self._mine[b])
-                self._pending[b] = (full, self._gather(full, chunk))
+                self._pending[b] = (lent, self._gather(full, chunk))
 
     def _gather(self, full: torch.Tensor, chunk: int) -> list[dist.Work]:
         if not self._by_broadcasts:  # in place: each rank's slice is already where it belongs
@@ -149,12 +156,13 @@ class Gathers:
             entry = self._pending.pop(b, None)
             if entry is None:
                 continue
-            full, works = entry
+            lent, works = entry
             for work in works:
                 wait(work, f"all-gather of the parameters of bucket {b}", self.group, self.timeout)
-            bucket = self.buckets[b]
+            (before, stop, after) = self._others[b]
             with torch.no_grad():
-                torch._foreach_copy_(self._targets[b], [full.narrow(0, o, n) for o, n in zip(bucket.offsets, bucket.lengths)])
+                torch._foreach_copy_(before + after, _runs(lent, 0, before) + _runs(lent, stop, after))
+            self._pool.give(lent)
 
     def finish_all(self) -> None:
         self.finish(sorted(self._pending))
@@ -164,13 +172,28 @@ class Gathers:
             handle.remove()
 
 
+def _outside(bucket: Bucket) -> tuple[list[torch.Tensor], int, list[torch.Tensor]]:
+    """Flat views of a bucket's parameters outside this rank's slice [start, stop): those
+    tiling [0, start) in order, `stop`, and those tiling [stop, numel)."""
+    start = min(bucket.shard_offset, bucket.numel)
+    stop = min(start + bucket.shard.numel(), bucket.numel)
+    before: list[torch.Tensor] = []
+    after: list[torch.Tensor] = []
+    for param, offset, length in zip(bucket.params, bucket.offsets, bucket.lengths):
+        whole = flat(param)
+        if offset < start:
+            before.append(whole.narrow(0, 0, min(length, start - offset)))
+        if offset + length > stop:
+            skip = max(stop - offset, 0)
+            after.append(whole.narrow(0, skip, length - skip))
+    return before, stop, after
+
+
 def _runs(buffer: torch.Tensor, start: int, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Consecutive views of `buffer` from `start`, one as long as each of `tensors`."""
-    views = []
-    for t in tensors:
-        views.append(buffer.narrow(0, start, t.numel()))
-        start += t.numel()
-    return views
+    """Consecutive views of `buffer` from `start`, one as long as each of `tensors` (one
+    `split`: cheaper than a `narrow` per tensor, which `finish` would pay every step)."""
+    lengths = [t.numel() for t in tensors]
+    return list(buffer.narrow(0, start, sum(lengths)).split(lengths))
 
 
 def _attach(gathers: Gathers, module: nn.Module, reducer: Reducer, bucket_of: dict[int, int]) -> list:
