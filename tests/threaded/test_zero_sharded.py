@@ -13,30 +13,39 @@ import pytest
 import torch
 from models import make_batches
 from parity import _build, _loss, _shard
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import ZeroRedundancyOptimizer
+from gradsync import comm_hooks as gradsync_hooks
 from gradsync.testing import RankError, run_threaded
 
 STEPS = 4
+HOOKS = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+         "bf16": default_hooks.bf16_compress_hook, "gradsync fp16": gradsync_hooks.fp16_compress_hook}
 ADAM = (torch.optim.Adam, {"lr": 0.01})
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adam": ADAM,
               "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
 
 
 def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=ADAM, wrap=None,
-           micro=1, clip=None, overlap=False, channels_last=False, native=False, wrapper=None):
+           micro=1, clip=None, overlap=False, channels_last=False, native=False, wrapper=None,
+           hook=None, hook_late=False):
     cls, kwargs = optimizer
     model = _build(model_name)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     wrapper = wrapper or (GradsyncDDP if sharded else TorchDDP)
     ddp = wrapper(model, process_group=group, **(wrap or {}))
+    if hook is not None and not hook_late:
+        ddp.register_comm_hook(group, HOOKS[hook])
     if native:  # the device backends' way: reduce-scatter and all-gather themselves
         ddp.shard_gradients(by_all_reduce=False)
     opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, overlap_param_gather=overlap, **kwargs)
            if sharded else cls(model.parameters(), **kwargs))
+    if hook is not None and hook_late:  # registered once the gradients are sharded
+        ddp.register_comm_hook(group, HOOKS[hook])
     if sharded:
         assert opt.shards_gradients
     norms = []
@@ -68,12 +77,13 @@ class _nothing:
         return False
 
 
-def _assert_same(got, want, exact=True, what=""):
+def _assert_same(got, want, exact=True, what="", atol=1e-6):
     for name in want:
         if exact:
             assert torch.equal(got[name], want[name]), (what, name, (got[name] - want[name]).abs().max())
         else:
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-6, msg=f"{what} {name}")
+            worst = (got[name] - want[name]).abs().max()
+            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=f"{what} {name}: {worst}")
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
@@ -103,6 +113,42 @@ def test_sharded_gradients_keep_parity_through_the_wrappers_features(case):
     for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, overlap=case in ("overlap", "native"),
                                native=case == "native", **options):
         _assert_same(got, want, what=case)
+
+
+@pytest.mark.parametrize("hook", list(HOOKS))
+def test_averaging_and_compression_hooks_shard_with_torch_ddps_results(hook):
+    # The hook's own arithmetic (cast, divide there, sum), reduce-scattered: the parameters are
+    # torch's DDP with that hook bit for bit at 2 ranks; at 3, gloo's ring sums an element in an
+    # order that depends on where it lies in its bucket (the layouts differ): within rounding.
+    for world in (2, 3):
+        batches = make_batches(STEPS, world)
+        # torch's DDP takes the bf16 hook on CUDA only; gradsync's unsharded wrapper runs it here.
+        reference = GradsyncDDP if hook == "bf16" else TorchDDP
+        want = run_threaded(_train, world, world, batches, sharded=False, hook=hook, wrapper=reference)[0][0]
+        for native, late in ((False, False), (True, False), (False, True)):
+            wrap = {"bucket_cap_mb": 0.001}
+            for got, _ in run_threaded(_train, world, world, batches, sharded=True, hook=hook, hook_late=late,
+                                       native=native, wrap=wrap):
+                _assert_same(got, want, exact=world == 2, atol=1e-6 if hook == "allreduce" else 1e-2, what=f"{hook} world {world} native {native} late {late}")
+
+
+def test_hooks_that_return_whole_buckets_are_refused_with_sharded_gradients():
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group)
+        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=1)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        with pytest.raises(ValueError, match="cannot shard the gradients.*powerSGD_hook.*shard_gradients=False"):
+            ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        other = GradsyncDDP(_build("mlp"), process_group=group)
+        ZeroRedundancyOptimizer(other.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(ValueError, match="state must be None or the wrapper's process group"):
+            other.register_comm_hook(object(), default_hooks.fp16_compress_hook)
+        return "refused"
+
+    assert run_threaded(body, 2) == ["refused"] * 2
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -39,6 +39,10 @@ class Sharding:
     transient: bool  # a buffer only from its fill until its reduction has landed
     by_all_reduce: bool  # reduced whole in place, the shard copied out (host backends)
     pool: BufferPool | None = None  # lends transient buffers (else each is allocated anew)
+    # Reduced as torch's averaging hooks do (`comm.sharded_hook_dtype`): cast to `hook_dtype`
+    # (None: no cast), divided there by the world size, then summed.
+    hooked: bool = False
+    hook_dtype: torch.dtype | None = None
 
 
 class Bucket:
@@ -58,6 +62,8 @@ class Bucket:
         transient: bool = False,
         by_all_reduce: bool = False,
         pool: BufferPool | None = None,
+        hooked: bool = False,
+        hook_dtype: torch.dtype | None = None,
     ):
         if collective not in COLLECTIVES:
             raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
@@ -94,6 +100,15 @@ class Bucket:
         self._pool = pool if transient else None
         self._lent: torch.Tensor | None = None  # the pool's buffer `wire` is a view of
         self._dtype, self._device = dtype or first.dtype, first.device
+        # With a compression hook's dtype: the cast (padded) is what is reduced, and the
+        # reduce-scatter's result in that dtype; the buffer goes once cast (`_hooked_payload`).
+        self.hooked = False
+        self._hook_dtype: torch.dtype | None = None
+        if hooked:
+            self.reduce_as_hook(hook_dtype)
+        self._cast_wire: torch.Tensor | None = None
+        self._cast_lent: torch.Tensor | None = None
+        self._cast_shard: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         if transient:
             self.release()
@@ -148,13 +163,29 @@ class Bucket:
         ] if not self.sparse else []
 
     def release(self, reusable: bool = True) -> None:
-        """Drop a transient bucket's buffer; back to the pool if `reusable` (its collective
+        """Drop a transient bucket's buffers; back to the pool if `reusable` (its collective
         has been waited for: nothing but a view still unread, such as the tail, refers to it)."""
+        self._drop_buffer(reusable)
+        if self._cast_lent is not None and reusable and self._pool is not None:
+            self._pool.give(self._cast_lent)
+        self._cast_lent = self._cast_wire = self._cast_shard = None
+        self.payload = self.buffer
+
+    def _drop_buffer(self, reusable: bool) -> None:
         if self._lent is not None and reusable:
             self._pool.give(self._lent)  # type: ignore[union-attr]
         self._lent = None
-        self.wire = self.buffer = self.payload = torch.empty(0, dtype=self._dtype, device=self._device)
+        self.wire = self.buffer = torch.empty(0, dtype=self._dtype, device=self._device)
         self.tail, self.views = None, []
+
+    def reduce_as_hook(self, dtype: torch.dtype | None) -> None:
+        """From now on reduce as torch's averaging hooks do, in `dtype` (`Sharding.hooked`)."""
+        self.hooked, self._hook_dtype = True, dtype if dtype != self._dtype else None
+
+    @property
+    def holds_memory(self) -> bool:
+        """A transient bucket between its fill and the landing of its reduction."""
+        return bool(self.views) or self._cast_wire is not None
 
     # ------------------------------------------------------------------ filling and writing back
 
@@ -262,7 +293,11 @@ class Bucket:
 
     def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
         """Start this bucket's collective on `wire` (the payload, or buffer and tail)."""
-        if self.collective == "reduce_scatter" and not self.by_all_reduce:
+        if self.collective == "reduce_scatter" and not self.by_all_reduce and self._cast_wire is not None:
+            self._cast_shard = torch.empty(self.shard.numel(), dtype=self._cast_wire.dtype, device=self._device)
+            self.work = group._reduce_scatter_base(self._cast_shard, self._cast_wire,
+                                                   torch.distributed.ReduceScatterOptions())
+        elif self.collective == "reduce_scatter" and not self.by_all_reduce:
             self.work = group._reduce_scatter_base(self.shard, self.wire, torch.distributed.ReduceScatterOptions())
         elif self.collective == "reduce_scatter":  # `wire` without the padding: summed as DDP sums
             self.work = group.allreduce([wire])
@@ -274,8 +309,12 @@ class Bucket:
         """After the collective: this rank's shard of the sum (already there unless reduced by
         all-reduce, whose whole result is in the buffer)."""
         valid = min(self.shard.numel(), self.numel - self.shard_offset)
-        if self.by_all_reduce and valid > 0:
-            self.shard.narrow(0, 0, valid).copy_(self.buffer.narrow(0, self.shard_offset, valid))
+        if self.by_all_reduce and valid > 0:  # the payload: the buffer, or its cast (a hook)
+            self.shard.narrow(0, 0, valid).copy_(self.payload.narrow(0, self.shard_offset, valid))
+        elif self._cast_shard is not None:
+            self.shard.copy_(self._cast_shard)
+        if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)
+            self._cast_wire = self._cast_shard = None
 
     def fill_sparse(self, divisor: int) -> bool:
         """Take the sparse gradient, divided by `divisor`; False if there is none to take."""
@@ -290,6 +329,8 @@ class Bucket:
         cast to `reduce_dtype` and divided there, so the sum cannot overflow."""
         if self.sparse_grad is not None:
             self.payload = self.sparse_grad
+        elif self.hooked:
+            self.payload = self._hooked_payload(divisor)
         elif reduce_dtype is not None:  # into the same tensor every step, not a new one
             if self._cast is None or self._cast.dtype != reduce_dtype:
                 self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype, device=self.buffer.device)
@@ -297,6 +338,25 @@ class Bucket:
         else:
             self.payload = self.buffer
         return self.payload
+
+    def _hooked_payload(self, divisor: int) -> torch.Tensor:
+        """As torch's averaging hooks: `buffer.to(dtype).div_(world_size)`, then summed. A
+        cast (padded for the reduce-scatter) replaces the buffer, which goes back at once."""
+        if self._hook_dtype is None:
+            return self.buffer.div_(divisor)
+        padded = self._wire_numel
+        if self._pool is not None:
+            self._cast_lent = self._pool.take(padded, self._hook_dtype, self._device)
+            self._cast_wire = self._cast_lent.narrow(0, 0, padded)
+        else:
+            self._cast_wire = torch.empty(padded, dtype=self._hook_dtype, device=self._device)
+        cast = self._cast_wire.narrow(0, 0, self.numel)
+        cast.copy_(self.buffer).div_(divisor)
+        if padded > self.numel:
+            self._cast_wire.narrow(0, self.numel, padded - self.numel).zero_()
+        if self.transient:
+            self._drop_buffer(reusable=True)  # copied: nothing reads it again
+        return cast
 
     def done_within(self, seconds: float) -> bool:
         """Has this bucket's reduction completed, waiting at most `seconds`? Never raises.
@@ -325,7 +385,7 @@ class Bucket:
             self.payload = value
 
     def reset(self) -> None:
-        if self.transient and self.views:  # an iteration abandoned: its collective may still run
+        if self.transient and self.holds_memory:  # an iteration abandoned: its collective may still run
             self.release(reusable=self.work is None or self.work.is_completed())
         self.pending = len(self.params)
         self.work = None

@@ -27,10 +27,38 @@ from .timeline import EventKind
 
 LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
 
-__all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "check_registration", "hook_name"]
+__all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "check_registration", "hook_name",
+           "sharded_hook_dtype"]
 
 # A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
 CommHook = Callable[[Any, Any], torch.futures.Future]
+
+
+# Hooks whose reduction is known and makes sense with sharded gradients: each averages the
+# bucket by one all-reduce, `buffer.to(dtype).div_(world_size)` then a sum (torch's
+# default_hooks and gradsync.comm_hooks alike), so a reduce-scatter of the same tensor gives each
+# rank its shard of exactly the hook's result. Found by name: the engine imports no hooks.
+_SHARDABLE_MODULES = ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "gradsync.comm_hooks")
+_SHARDABLE = {"allreduce_hook": None, "fp16_compress_hook": torch.float16, "bf16_compress_hook": torch.bfloat16}
+
+
+def sharded_hook_dtype(state: object, hook: CommHook, group: Any) -> torch.dtype | None:
+    """The dtype a sharded bucket is reduced in for `hook` (None: the bucket's own); a
+    ValueError naming the hooks that shard when `hook` is not one of them."""
+    name = getattr(hook, "__name__", "")
+    if getattr(hook, "__module__", None) not in _SHARDABLE_MODULES or name not in _SHARDABLE:
+        raise ValueError(
+            f"a communication hook ({hook_name(hook)}) with sharded gradients: only hooks that average "
+            "each bucket by one all-reduce shard it (torch's or gradsync.comm_hooks' allreduce_hook, "
+            "fp16_compress_hook, bf16_compress_hook); others return whole buckets. Use "
+            "ZeroRedundancyOptimizer(shard_gradients=False) for other hooks"
+        )
+    if state is not None and (not isinstance(state, torch.distributed.ProcessGroup) or state.size() != group.size()):
+        raise ValueError(
+            f"{name} with sharded gradients: its state must be None or the wrapper's process group "
+            f"(size {group.size()}), got {state!r}"
+        )
+    return _SHARDABLE[name]
 
 
 class GradBucket:

@@ -38,7 +38,8 @@ def make_buckets(
         return [
             Bucket(b, indices, params, dtype=dtype, collective="reduce_scatter", world_size=world_size,
                    rank=shards.rank, transient=shards.transient, by_all_reduce=shards.by_all_reduce,
-                   pool=shards.pool, tail=world_size if b == last and world_size > 1 and shards.by_all_reduce else 0)
+                   pool=shards.pool, hooked=shards.hooked, hook_dtype=shards.hook_dtype,
+                   tail=world_size if b == last and world_size > 1 and shards.by_all_reduce and not shards.hooked else 0)
             for b, indices in enumerate(layout)
         ]
     return [

@@ -38,7 +38,7 @@ from .accumulation import Reports, decode, uneven
 from .bucket import Bucket, Sharding
 from .bucketing import validate_bucket_indices
 from .checks import check_finite
-from .comm import CommHook, HookChain, check_registration
+from .comm import CommHook, HookChain, check_registration, sharded_hook_dtype
 from .config import RUNTIME_FIELDS, ReducerConfig
 from .device import HostRead, host_runs_collectives, wait_stream_of
 from .errors import (
@@ -193,8 +193,13 @@ class Reducer:
             raise ValueError(f"shard_gradients(in_flight={in_flight}): expected at least 1, or None for no limit")
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("shard_gradients: an iteration is still being reduced")
+        hooked, hook_dtype = self._comm_hook is not None, None
+        if self._comm_hook is not None:
+            try:
+                hook_dtype = sharded_hook_dtype(self._comm_hook[0], self._comm_hook[1], self.process_group)
+            except ValueError as error:
+                raise ValueError(f"gradsync: cannot shard the gradients: {error}") from None
         refused = [why for cond, why in (
-            (self._comm_hook is not None, "a communication hook is registered (its result would be the whole bucket)"),
             (self._scale_at_launch, "mixed precision casts buckets to another reduce dtype"),
             (any(self.expect_sparse_gradient), "some parameters get sparse gradients"),
         ) if cond]
@@ -205,8 +210,9 @@ class Reducer:
         transient = not self.config.gradient_as_bucket_view
         # Transient buffers are lent: as many as can be live at once (those reducing and the
         # one filling) stay warm between steps (`BufferPool`).
-        pool = BufferPool(keep=in_flight + 1 if in_flight is not None else 2) if transient else None
-        self._shards = Sharding(self.rank, transient, by_all_reduce, pool)
+        keep = in_flight + 1 if in_flight is not None else 2
+        pool = BufferPool(keep=2 * keep if hook_dtype is not None else keep) if transient else None
+        self._shards = Sharding(self.rank, transient, by_all_reduce, pool, hooked, hook_dtype)
         self._in_flight = in_flight
         self._needs_rebuild = False
         self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
@@ -640,12 +646,16 @@ class Reducer:
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
         check_registration(self._comm_hook, hook, self.iteration, self._scale_at_launch)
-        if self._shards is not None:
-            raise ValueError(
-                "register_comm_hook: the gradients are sharded (reduce-scattered for a sharded "
-                "optimizer); a communication hook returns whole buckets. Register hooks only "
-                "without gradsync.ZeroRedundancyOptimizer's gradient sharding (shard_gradients=False)."
-            )
+        if self._shards is not None:  # the hook's reduction, done as a reduce-scatter
+            try:
+                hook_dtype = sharded_hook_dtype(state, hook, self.process_group)
+            except ValueError as error:
+                raise ValueError(f"register_comm_hook: the gradients are sharded; {error}") from None
+            if self._shards.pool is not None and hook_dtype is not None:
+                self._shards.pool.keep *= 2  # a cast beside each buffer
+            self._shards = dataclasses.replace(self._shards, hooked=True, hook_dtype=hook_dtype)
+            for bucket in self.buckets:  # in place: a sharded optimizer holds views of their shards
+                bucket.reduce_as_hook(hook_dtype)
         self._comm_hook = (state, hook)
 
     @property
@@ -654,7 +664,7 @@ class Reducer:
         return self._comm_hook
 
     def _new_chain(self) -> HookChain | None:
-        if self._comm_hook is None:
+        if self._comm_hook is None or self._shards is not None:  # sharded: the buckets run it
             return None
         state, hook = self._comm_hook
         iteration = self.iteration
