@@ -28,11 +28,14 @@ hold their old values: call `wait_parameters()` before reading them any other wa
 Gradient clipping must then go through `clip_grad_norm_` of this class: torch's function would
 see no gradients.
 
-Every `step()` first agrees, in one small all-gather, that each rank has the same parameter
-groups and has run a (synchronised, when sharded) backward since its last step; a rank that
-differs makes every rank raise the same error, naming the ranks and their values, instead of
-leaving the others waiting in a collective. On a GPU that agreement reads three integers per rank
-back to the host once per step.
+Without sharded gradients every `step()` first agrees, in one small all-gather, that each rank
+has the same parameter groups and has run a backward since its last step; a rank that differs
+makes every rank raise the same error, naming the ranks and their values, instead of leaving the
+others waiting in a collective (on a GPU that reads three integers per rank back to the host once
+per step). With sharded gradients the groups are fixed and no such collective runs: a rank with
+no synchronised backward raises at once, and the others within their timeout. The averaging and
+compression hooks (`allreduce_hook`, `fp16_compress_hook`, `bf16_compress_hook`) shard with the
+gradients (`engine.comm.sharded_hook_dtype`); other hooks are refused.
 """
 
 from __future__ import annotations
