@@ -12,7 +12,8 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
     a side stream; the event-timed timeline against the step's device time and host enqueue
     times; the stall watchdog with a slowed bucket; 256 one-parameter buckets with a hook;
     ZeroRedundancyOptimizer with sharded gradients (NCCL's reduce-scatter and all-gather)
-    against plain AdamW; step time against torch's DDP on a GPT-2-small shape in bf16
+    against plain AdamW, and with the bf16 compression hook (reduce-scattered in bfloat16);
+    step time against torch's DDP on a GPT-2-small shape in bf16
     autocast (defaults and find_unused_parameters).
 (B) two ranks (threads) with gloo on CUDA tensors: parity with torch's DDP for the defaults,
     bucket views, mixed precision, the fp16 hook, PowerSGD, find_unused_parameters, static
@@ -309,6 +310,27 @@ def zero_sharded(group: dist.ProcessGroup, device: torch.device) -> dict:
             "max_abs_diff_vs_plain_adamw": worst}
 
 
+@check("A10 sharded gradients with the bf16 compression hook: reduce-scattered in bfloat16")
+def zero_compressed(group: dist.ProcessGroup, device: torch.device) -> dict:
+    model, reference = mlp().to(device), mlp().to(device)
+    ddp = gradsync.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05)
+    ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
+    opt = gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3)
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    x = torch.randn(16, 256, device=device)
+    steps(ddp, opt, x, 5)
+    for _ in range(5):  # the hook's arithmetic at world size 1: each gradient rounded to bfloat16
+        plain.zero_grad(set_to_none=True)
+        reference(x).pow(2).mean().backward()
+        for p in reference.parameters():
+            p.grad.copy_(p.grad.to(torch.bfloat16))
+        plain.step()
+    worst = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    assert opt.shards_gradients and worst == 0.0, f"differs from AdamW on bf16-rounded gradients by {worst:.3g}"
+    return {"buckets": len(ddp.reducer.buckets), "by_all_reduce": ddp.reducer.shards_by_all_reduce,
+            "max_abs_diff_vs_reference": worst}
+
+
 def gpt2_small(device: torch.device) -> nn.Module:
     torch.manual_seed(0)
 
@@ -492,6 +514,7 @@ def main() -> int:
     watchdog(group, device)
     many_buckets(group, device)
     zero_sharded(group, device)
+    zero_compressed(group, device)
     step_time(group, device, args.quick)
     parity(device)
     if dist.is_initialized():

@@ -132,6 +132,18 @@ def test_averaging_and_compression_hooks_shard_with_torch_ddps_results(hook):
                 _assert_same(got, want, exact=world == 2, atol=1e-6 if hook == "allreduce" else 1e-2, what=f"{hook} world {world} native {native} late {late}")
 
 
+def test_sharded_gradients_at_world_size_one_are_the_plain_optimizer():
+    # One rank owns every part: nothing to write back after a gather (a single-device run of a
+    # multi-device script), with and without a compression hook.
+    batches = make_batches(STEPS, 1)
+    want = run_threaded(_train, 1, 1, batches, sharded=False)[0][0]
+    got = run_threaded(_train, 1, 1, batches, sharded=True, wrap={"bucket_cap_mb": 0.001})[0][0]
+    _assert_same(got, want, what="world 1")
+    want = run_threaded(_train, 1, 1, batches, sharded=False, hook="fp16")[0][0]
+    got = run_threaded(_train, 1, 1, batches, sharded=True, hook="fp16", native=True)[0][0]
+    _assert_same(got, want, what="world 1, fp16 hook, reduce-scatter")
+
+
 def test_hooks_that_return_whole_buckets_are_refused_with_sharded_gradients():
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 

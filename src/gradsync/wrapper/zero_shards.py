@@ -160,8 +160,9 @@ class Gathers:
             for work in works:
                 wait(work, f"all-gather of the parameters of bucket {b}", self.group, self.timeout)
             (before, stop, after) = self._others[b]
-            with torch.no_grad():
-                torch._foreach_copy_(before + after, _runs(lent, 0, before) + _runs(lent, stop, after))
+            if before or after:  # nothing at world size 1: every part is this rank's
+                with torch.no_grad():
+                    torch._foreach_copy_(before + after, _runs(lent, 0, before) + _runs(lent, stop, after))
             self._pool.give(lent)
 
     def finish_all(self) -> None:
@@ -193,7 +194,7 @@ def _runs(buffer: torch.Tensor, start: int, tensors: Sequence[torch.Tensor]) -> 
     """Consecutive views of `buffer` from `start`, one as long as each of `tensors` (one
     `split`: cheaper than a `narrow` per tensor, which `finish` would pay every step)."""
     lengths = [t.numel() for t in tensors]
-    return list(buffer.narrow(0, start, sum(lengths)).split(lengths))
+    return list(buffer.narrow(0, start, sum(lengths)).split(lengths)) if lengths else []
 
 
 def _attach(gathers: Gathers, module: nn.Module, reducer: Reducer, bucket_of: dict[int, int]) -> list:
