@@ -115,3 +115,23 @@ def test_a_transient_bucket_on_a_stale_lent_buffer_zeros_its_padding_and_tail():
     assert all(p.grad is None for p in params)  # the bucket holds them now
     bucket.release()
     assert bucket.wire.numel() == 0 and pool.allocations == 0 and pool.held_bytes == 16 * 4
+
+
+@pytest.mark.parametrize("divisor", [0, 3])
+def test_large_gradients_taken_at_their_hooks_fill_the_bucket_as_one_fill_would(divisor):
+    def bucket_with_grads():
+        params = _params((70_000,), (5,), (40_000,), (3,))  # two large (taken early), two small
+        for i, p in enumerate(params):
+            p.grad = torch.arange(p.numel(), dtype=torch.float32) * (i + 1) / 7
+        return Bucket(0, [0, 1, 2, 3], params)
+
+    whole = bucket_with_grads()
+    whole.fill(divisor, as_view=False)
+    early = bucket_with_grads()
+    assert early.copies_early and early.early == [True, False, True, False]
+    early.take_one(2, divisor, as_view=False)  # arrived first
+    early.take_one(0, divisor, as_view=False)
+    early.fill(divisor, as_view=False)  # the last one's arrival: only the rest copied now
+    assert torch.equal(early.buffer, whole.buffer)
+    early.reset()
+    assert not early._any_copied  # a new iteration copies afresh

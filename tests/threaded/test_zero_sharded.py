@@ -360,6 +360,35 @@ def test_bad_input_is_refused_before_any_collective():
     assert all("gradients sharded" in r for r in run_threaded(body, 2))
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_gather_a_peer_never_joins_raises_within_the_timeout(overlap):
+    # Rank 1 stops after backward: rank 0's parameter gathers (waited at the end of step(), or
+    # by the next forward's pre-hooks when overlapped) fail after the optimizer's timeout.
+    import time
+    from datetime import timedelta
+
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                      overlap_param_gather=overlap, timeout=timedelta(seconds=2), lr=0.1)
+        _loss(ddp(torch.ones(2, 8))).backward()
+        if rank == 1:
+            return "stopped"
+        start = time.monotonic()
+        try:
+            opt.step()
+            ddp(torch.ones(2, 8))  # overlapped: the first module's pre-hook waits for its bucket
+        except Exception as error:  # noqa: BLE001 - the error and when it came are the result
+            return f"{type(error).__name__} after {time.monotonic() - start:.1f} s: {error}"
+        return "no error"
+
+    first, second = run_threaded(body, 2, timeout=30)
+    assert second == "stopped"
+    assert first.startswith("ReductionTimeoutError") and "all-gather of the parameters of bucket" in first, first
+    assert float(first.split(" after ")[1].split(" s")[0]) < 10, first
+
+
 def test_a_rank_that_skips_the_step_makes_the_other_raise_not_hang():
     from datetime import timedelta
 

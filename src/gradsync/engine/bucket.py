@@ -85,6 +85,12 @@ class Bucket:
         self.lengths = [0 if sparse else p.numel() for p in self.params]
         self.offsets = _running_offsets(self.lengths)
         self.all_small = all(n < FUSED_COPY_MIN_NUMEL for n in self.lengths)
+        # Large gradients are copied in at their own hook (`take_one`), as torch copies each
+        # at its hook: the bucket's launch then waits only for its last gradient's copy, not
+        # for a pass over the whole bucket. Small ones wait for the fill, copied in one batch.
+        self.early = [n >= FUSED_COPY_MIN_NUMEL for n in self.lengths]
+        self._copied = [False] * len(self.params)
+        self._any_copied = False
         first = self.params[0]
         # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
         # the low-precision compute dtype.
@@ -110,6 +116,9 @@ class Bucket:
         self._cast_lent: torch.Tensor | None = None
         self._cast_shard: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
+        # Whether some gradients are copied in at their hooks (`take_one`): a dense bucket of
+        # several parameters whose buffer lives across iterations (read on the hot path).
+        self.copies_early = not sparse and not transient and len(self.params) > 1 and any(self.early)
         if transient:
             self.release()
         else:
@@ -189,15 +198,27 @@ class Bucket:
 
     # ------------------------------------------------------------------ filling and writing back
 
+    def take_one(self, position: int, divisor: int, as_view: bool) -> None:
+        """Copy the gradient at `position` in now, before the bucket is full, divided exactly
+        as `fill` would divide it; `fill` then skips it."""
+        grad = self.params[position].grad
+        if grad is None:
+            return  # zeroed by the fill
+        view = self.views[position]
+        _scale_into(grad, view, as_view and _aliases(grad, view), divisor)
+        self._copied[position] = self._any_copied = True
+
     def fill(self, divisor: int, as_view: bool) -> None:
-        """Copy the parameters' gradients in, divided by `divisor` (0: copied as they are, for
-        a hook or a cast that averages later), zeros where a parameter has none. The one way
-        gradients enter a bucket."""
+        """Copy the parameters' gradients in (those not taken already), divided by `divisor`
+        (0: copied as they are, for a hook or a cast that averages later), zeros where a
+        parameter has none. With `take_one`, the only way gradients enter a bucket."""
         if self.transient and not self.views:
             self.allocate()
         grads = [p.grad for p in self.params]
         aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, self.views)]
-        if not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
+        if self._any_copied:
+            self._fill_rest(grads, aliased, divisor)
+        elif not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
             self._copy_in(grads, divisor)
         elif all(aliased):
             if divisor:
@@ -210,6 +231,22 @@ class Bucket:
         elif self.transient:  # the bucket holds them now; each rank will keep only its shard
             for param in self.params:
                 param.grad = None
+
+    def _fill_rest(self, grads: list[torch.Tensor | None], aliased: list[bool], divisor: int) -> None:
+        """The fill of a bucket some of whose gradients were taken at their hooks."""
+        views, batch = [], []
+        for j, (grad, view) in enumerate(zip(grads, self.views)):
+            if self._copied[j]:
+                continue
+            if grad is None or aliased[j] or grad.requires_grad or grad.numel() >= FUSED_COPY_MIN_NUMEL:
+                _scale_into(grad, view, aliased[j], divisor)  # a large one: scaled while copied
+            else:
+                views.append(view)
+                batch.append(grad)
+        if views:
+            torch._foreach_copy_(views, batch)
+            if divisor:
+                torch._foreach_mul_(views, 1.0 / divisor)
 
     def _copy_in(self, grads: list[torch.Tensor | None], divisor: int) -> None:
         """views = grads / divisor, in as few passes over memory and kernel calls as we can.
@@ -388,6 +425,9 @@ class Bucket:
         if self.transient and self.holds_memory:  # an iteration abandoned: its collective may still run
             self.release(reusable=self.work is None or self.work.is_completed())
         self.pending = len(self.params)
+        if self._any_copied:
+            self._copied = [False] * len(self.params)
+            self._any_copied = False
         self.work = None
         self.landed = False  # reduced, its work dropped (a transient bucket, `Reducer._settle`)
         self.sparse_grad = None

@@ -160,9 +160,11 @@ class Reducer:
         self._layout = [list(b.param_indices) for b in self.buckets]
         self._layout_bytes = [b.nbytes for b in self.buckets]
         self._bucket_of = [None] * len(self.params)  # type: ignore[list-item]
+        self._position = [0] * len(self.params)  # parameter index -> its place in its bucket
         for bucket in self.buckets:
-            for i in bucket.param_indices:
+            for position, i in enumerate(bucket.param_indices):
                 self._bucket_of[i] = bucket
+                self._position[i] = position
             if self.config.gradient_as_bucket_view and not bucket.sparse:
                 bucket.adopt_grads()
 
@@ -255,8 +257,7 @@ class Reducer:
 
     def locate(self, index: int) -> tuple[int, int]:
         """(bucket index, position in that bucket) of parameter `index`."""
-        bucket = self._bucket_of[index]
-        return bucket.index, bucket.param_indices.index(index)
+        return self._bucket_of[index].index, self._position[index]
 
     # ------------------------------------------------------------------ iteration lifecycle
 
@@ -410,6 +411,10 @@ class Reducer:
             self._fill(bucket)
             if bucket.index == self._next_bucket:
                 self._launch_ready()
+        elif kind == EventKind.READY and bucket.copies_early:
+            position = self._position[index]
+            if bucket.early[position]:
+                bucket.take_one(position, self._fill_divisor(), self.config.gradient_as_bucket_view)
 
     def _fill(self, bucket: Bucket) -> None:
         if bucket.sparse:
@@ -418,13 +423,15 @@ class Reducer:
         if self.config.check_finite:
             grads = [p.grad for p in bucket.params]
             check_finite(grads, [self.names[i] for i in bucket.param_indices], self.rank, self.iteration)
-        # A communication hook averages itself (torch's protocol); mixed precision scales in the
-        # reduce dtype at launch (`_payload`).
-        scale = self._comm_hook is None and not self._scale_at_launch
-        if self._streams is not None:
+        if self._streams is not None:  # also orders the copies `take_one` made on those streams
             wait_stream_of([self._streams[i] for i in bucket.param_indices])
             bucket.stream = torch.cuda.current_stream()  # where the chain launches it (M2)
-        bucket.fill(self._divisor if scale else 0, self.config.gradient_as_bucket_view)
+        bucket.fill(self._fill_divisor(), self.config.gradient_as_bucket_view)
+
+    def _fill_divisor(self) -> int:
+        # A communication hook averages itself (torch's protocol); mixed precision scales in the
+        # reduce dtype at launch (`_payload`): 0, copied as they are.
+        return self._divisor if self._comm_hook is None and not self._scale_at_launch else 0
 
     def _fill_sparse(self, bucket: Bucket) -> None:
         if not bucket.fill_sparse(self._divisor):
@@ -533,15 +540,11 @@ class Reducer:
         try:
             with torch.no_grad(), _profiled("gradsync.finish_backward"):
                 self._waits.begin(self.iteration, self.config.timeout, self.buckets)
-                self._wait_buckets()
-                if not self._ride:  # after every bucket and the used map, on every rank
-                    self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
-                used = self._used.finish(self._waits)
-                self._check_reports()  # raises before any gradient is written back
-                if self._static is not None:  # the first iteration's used map holds for good
-                    used = self._static.settle_used_map(used)
-                for bucket in self.buckets:
-                    bucket.write_back(used, self.config.gradient_as_bucket_view)
+                used = None
+                if self._writes_back_as_landed():
+                    self._write_back_as_landed()
+                else:
+                    used = self._write_back_with_used_map()
                 self.last_used, self.reductions = used, self.reductions + 1
         finally:
             self.phase = Phase.REDUCED  # `_marked` kept: a gradient still coming is reported
@@ -553,6 +556,42 @@ class Reducer:
             self._used.clear()
             self._clear_reduction()
             self._end_queued = True  # until the next iteration: nothing more to finish
+
+    def _write_back_with_used_map(self) -> list[int] | None:
+        """Wait for every bucket and the used map, then write back what some rank used."""
+        self._wait_buckets()
+        if not self._ride:  # after every bucket and the used map, on every rank
+            self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
+        used = self._used.finish(self._waits)
+        self._check_reports()  # raises before any gradient is written back
+        if self._static is not None:  # the first iteration's used map holds for good
+            used = self._static.settle_used_map(used)
+        for bucket in self.buckets:
+            bucket.write_back(used, self.config.gradient_as_bucket_view)
+        return used
+
+    def _writes_back_as_landed(self) -> bool:
+        # Without a used map to wait for (no unused-parameter search, no static graph) and
+        # unsharded, nothing that the write-back needs lands after the buckets themselves.
+        return self._shards is None and not self._find_unused and self._static is None
+
+    def _write_back_as_landed(self) -> None:
+        """Wait for each bucket in order and write it back at once, so that copying one
+        bucket's averages into `.grad` hides under the reductions still running (as torch's
+        finalize_backward does). The reports are checked once the last bucket has landed,
+        before its write-back: an error leaves the earlier buckets' averages in `.grad`, on
+        every rank alike."""
+        chain, last = self._chain, self.buckets[-1]
+        for bucket in self.buckets:
+            if chain is None:
+                self._waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
+            else:
+                bucket.accept(chain.result(bucket, self.config.timeout))
+            if bucket is last:
+                if not self._ride:  # after every bucket, on every rank
+                    self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
+                self._check_reports()
+            bucket.write_back(None, self.config.gradient_as_bucket_view)
 
     def _wait_buckets(self) -> None:
         chain = self._chain
