@@ -243,10 +243,7 @@ class Bucket:
             else:
                 views.append(view)
                 batch.append(grad)
-        if views:
-            torch._foreach_copy_(views, batch)
-            if divisor:
-                torch._foreach_mul_(views, 1.0 / divisor)
+        _copy_batch(views, batch, divisor)
 
     def _copy_in(self, grads: list[torch.Tensor | None], divisor: int) -> None:
         """views = grads / divisor, in as few passes over memory and kernel calls as we can.
@@ -270,10 +267,7 @@ class Bucket:
             else:
                 small_views.append(view)
                 small_grads.append(grad)
-        if small_views:
-            torch._foreach_copy_(small_views, small_grads)
-            if divisor:
-                torch._foreach_mul_(small_views, inv)
+        _copy_batch(small_views, small_grads, divisor)
 
     def view_grads(self, which: Sequence[bool] | None = None) -> None:
         """Point `.grad` of the parameters (all, or those flagged) at their views: the one place
@@ -486,6 +480,14 @@ _ALL = _Everything()
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _copy_batch(views: list[torch.Tensor], grads: list[torch.Tensor], divisor: int) -> None:
+    """views = grads / divisor for small tensors: one batched copy, one batched multiply."""
+    if views:
+        torch._foreach_copy_(views, grads)
+        if divisor:
+            torch._foreach_mul_(views, 1.0 / divisor)
 
 
 def _scale_into(grad: torch.Tensor | None, view: torch.Tensor, aliased: bool, divisor: int) -> None:
