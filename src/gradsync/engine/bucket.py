@@ -336,12 +336,19 @@ class Bucket:
             self.work = group.allreduce([wire])
         return self.work
 
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """[start, stop) of this rank's shard in the bucket's gradients: where its gradients
+        lie, short of the padding (empty for a rank whose whole shard is padding)."""
+        start = min(self.shard_offset, self.numel)
+        return start, min(start + self.shard.numel(), self.numel)
+
     def take_shard(self) -> None:
         """After the collective: this rank's shard of the sum (already there unless reduced by
         all-reduce, whose whole result is in the buffer)."""
-        valid = min(self.shard.numel(), self.numel - self.shard_offset)
-        if self.by_all_reduce and valid > 0:  # the payload: the buffer, or its cast (a hook)
-            self.shard.narrow(0, 0, valid).copy_(self.payload.narrow(0, self.shard_offset, valid))
+        start, stop = self.shard_range
+        if self.by_all_reduce and stop > start:  # the payload: the buffer, or its cast (a hook)
+            self.shard.narrow(0, 0, stop - start).copy_(self.payload.narrow(0, start, stop - start))
         elif self._cast_shard is not None:
             self.shard.copy_(self._cast_shard)
         if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)

@@ -581,28 +581,29 @@ class Reducer:
         finalize_backward does). The reports are checked once the last bucket has landed,
         before its write-back: an error leaves the earlier buckets' averages in `.grad`, on
         every rank alike."""
-        chain, last = self._chain, self.buckets[-1]
+        last = self.buckets[-1]
         for bucket in self.buckets:
-            if chain is None:
-                self._waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
-            else:
-                bucket.accept(chain.result(bucket, self.config.timeout))
+            self._land(bucket)
             if bucket is last:
                 if not self._ride:  # after every bucket, on every rank
                     self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
                 self._check_reports()
             bucket.write_back(None, self.config.gradient_as_bucket_view)
 
+    def _land(self, bucket: Bucket) -> None:
+        """Wait until `bucket`'s reduction has landed (a sharded one: settled, if not already)."""
+        if self._chain is not None:
+            bucket.accept(self._chain.result(bucket, self.config.timeout))
+        elif bucket.collective == "reduce_scatter":
+            if bucket.index >= self._settled:
+                self._settle(bucket)
+        else:
+            self._waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
+
     def _wait_buckets(self) -> None:
         chain = self._chain
         for bucket in self.buckets:
-            if chain is None and bucket.collective == "reduce_scatter":
-                if bucket.index >= self._settled:
-                    self._settle(bucket)
-            elif chain is None:
-                self._waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
-            else:
-                bucket.accept(chain.result(bucket, self.config.timeout))
+            self._land(bucket)
         needs_map = self._find_unused or (self._static is not None and self._static.used_map is None)
         if chain is not None and needs_map:
             # Only now: a collective started earlier could interleave with the chain's.

@@ -68,8 +68,7 @@ def pieces_of(reducer: Reducer, position: dict[int, int]) -> list[Piece]:
     its index over the optimizer's groups."""
     pieces = []
     for bucket in reducer.buckets:
-        lo = bucket.shard_offset
-        hi = min(lo + bucket.shard.numel(), bucket.numel)
+        lo, hi = bucket.shard_range
         for j, offset, length in zip(bucket.param_indices, bucket.offsets, bucket.lengths):
             a, e = max(offset, lo), min(offset + length, hi)
             if a >= e:
@@ -176,8 +175,7 @@ class Gathers:
 def _outside(bucket: Bucket) -> tuple[list[torch.Tensor], int, list[torch.Tensor]]:
     """Flat views of a bucket's parameters outside this rank's slice [start, stop): those
     tiling [0, start) in order, `stop`, and those tiling [stop, numel)."""
-    start = min(bucket.shard_offset, bucket.numel)
-    stop = min(start + bucket.shard.numel(), bucket.numel)
+    start, stop = bucket.shard_range
     before: list[torch.Tensor] = []
     after: list[torch.Tensor] = []
     for param, offset, length in zip(bucket.params, bucket.offsets, bucket.lengths):
