@@ -16,7 +16,12 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync import EventKind, Reducer, ReducerConfig
-from gradsync.engine.collectives import all_gather_objects, broadcast_tensors
+from gradsync.engine.collectives import (
+    IN_PLACE_BYTES,
+    Broadcasts,
+    all_gather_objects,
+    broadcast_tensors,
+)
 from gradsync.engine.device import HostRead, host_runs_collectives, object_device
 from gradsync.engine.errors import GradSyncError
 from gradsync.engine.events import EventClock
@@ -59,6 +64,30 @@ def test_construction_broadcast_in_chunks_gives_rank_0s_values():
 
     for tensors in run_threaded(body, 3):
         assert all(torch.equal(t, torch.ones_like(t)) for t in tensors)
+
+
+def test_broadcasts_from_several_roots_in_flight_at_once_large_tensors_in_place():
+    # Rank r owns tensors[r]: a large contiguous one (broadcast where it lies), a large
+    # transposed one and small ones (flat); every root's broadcasts start before any wait.
+    big = IN_PLACE_BYTES // 4
+
+    def owned(root, rank):
+        return [torch.full((big,), float(rank + 1)), torch.full((64, big // 64), float(rank + 1)).t(),
+                torch.full((3,), float(rank + 1), dtype=torch.float64)]
+
+    def body(rank, group):
+        tensors = [owned(root, rank) for root in range(3)]
+        storage = tensors[1][0].data_ptr()
+        broadcasts = Broadcasts(group)
+        for root in range(3):
+            broadcasts.start(tensors[root], root, f"broadcast from {root}")
+        broadcasts.finish()
+        return tensors, storage == tensors[1][0].data_ptr()
+
+    for tensors, kept in run_threaded(body, 3):
+        assert kept
+        for root, mine in enumerate(tensors):
+            assert all(torch.equal(t, torch.full_like(t, float(root + 1))) for t in mine)
 
 
 def _train(rank, group, cls, read_back, steps=4, find_unused=False):

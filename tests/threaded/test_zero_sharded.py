@@ -360,6 +360,31 @@ def test_bad_input_is_refused_before_any_collective():
     assert all("gradients sharded" in r for r in run_threaded(body, 2))
 
 
+def test_overlapped_gathers_start_with_the_bucket_the_next_forward_needs_first():
+    # Buckets follow the gradients' ready order, the reverse of forward's: the last bucket
+    # holds the first layers, so its gather starts first and forward's first module waits
+    # for it alone.
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                      overlap_param_gather=True, lr=0.1)
+        seen = []
+        first = next(m for m in model.modules() if m._parameters)
+        first.register_forward_pre_hook(lambda *_: seen.append(list(opt._gathers._pending)), prepend=False)
+        batch = _shard(make_batches(1, 2)[0], rank, 2)
+        _loss(ddp(batch)).backward()
+        opt.step()
+        started = list(opt._gathers._pending)  # a dict: in the order they started
+        ddp(batch)
+        return len(opt._gathers.buckets), started, seen
+
+    for buckets, started, seen in run_threaded(body, 2):
+        assert buckets > 1
+        assert started == list(reversed(range(buckets)))
+        assert buckets - 1 not in seen[-1] and 0 in seen[-1]  # waited for the first layers' bucket only
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_gather_a_peer_never_joins_raises_within_the_timeout(overlap):
     # Rank 1 stops after backward: rank 0's parameter gathers (waited at the end of step(), or

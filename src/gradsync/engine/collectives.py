@@ -23,7 +23,7 @@ from .errors import ReductionTimeoutError
 # As torch's DDP broadcasts module states at construction.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
-__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "all_gather_ints", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
+__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather_ints", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
 
 
 def wait(
@@ -112,27 +112,67 @@ def broadcast_tensors(
     what: str = "broadcast of parameters and buffers",
     chunk_bytes: int = BROADCAST_CHUNK_BYTES,
 ) -> None:
-    """Overwrite `tensors` on every rank with rank `src`'s values: one collective per dtype
-    and device, in flat chunks of about `chunk_bytes` (torch's 250 MB), so a whole model is
-    never copied at once."""
-    for chunk in _chunks(tensors, chunk_bytes):
+    """Overwrite `tensors` on every rank with rank `src`'s values (`Broadcasts`, started and
+    finished at once)."""
+    broadcasts = Broadcasts(group, timeout)
+    broadcasts.start(tensors, src, what, chunk_bytes)
+    broadcasts.finish()
+
+
+# A tensor this large is broadcast where it lies, on its own: copying it into a flat buffer
+# and out again costs more than a collective of its own (1 MiB: about 0.2 ms of copies on a
+# CPU against 0.1-0.2 ms for one more gloo broadcast on loopback).
+IN_PLACE_BYTES = 1 << 20
+
+
+class Broadcasts:
+    """Broadcasts started together and finished together (several roots' in flight at once).
+    Small tensors travel flat, one collective per dtype and device in chunks of about
+    `chunk_bytes` (torch's 250 MB), so a whole model is never copied at once; large contiguous
+    ones in place. Every rank cuts the same chunks: they follow the tensors' shapes alone."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEOUT) -> None:
+        self.group, self.timeout = group, timeout
+        self._pending: list[tuple[dist.Work, str, torch.Tensor | None, list[torch.Tensor]]] = []
+
+    def start(self, tensors: Sequence[torch.Tensor], src: int, what: str,
+              chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1) for t in chunk])
-            opts = dist.BroadcastOptions()
-            opts.rootRank = src
-            wait(group.broadcast([flat], opts), what, group, timeout)
-            offset = 0
-            for t in chunk:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for chunk in _chunks(tensors, chunk_bytes):
+                alone = len(chunk) == 1 and _in_place(chunk[0])
+                flat = chunk[0].detach() if alone else torch.cat([t.detach().reshape(-1) for t in chunk])
+                self._pending.append((self.group.broadcast([flat], opts), what, None if alone else flat, chunk))
+
+    def finish(self) -> None:
+        """Wait for every broadcast started, in order, and write the flat ones out."""
+        pending, self._pending = self._pending, []
+        with torch.no_grad():
+            for work, what, flat, chunk in pending:
+                wait(work, what, self.group, self.timeout)
+                if flat is not None:
+                    torch._foreach_copy_([t.detach() for t in chunk], _views(flat, chunk))
+
+
+def _in_place(t: torch.Tensor) -> bool:
+    return t.numel() * t.element_size() >= IN_PLACE_BYTES and t.is_contiguous()
+
+
+def _views(flat: torch.Tensor, chunk: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [part.view_as(t) for part, t in zip(flat.split([t.numel() for t in chunk]), chunk)]
 
 
 def _chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> list[list[torch.Tensor]]:
-    """`tensors` by dtype and device, each kind cut into runs of at most `chunk_bytes` (a
-    larger tensor is a run of its own)."""
+    """`tensors` by dtype and device, each kind cut into runs of at most `chunk_bytes`; a
+    large contiguous tensor (`IN_PLACE_BYTES`), or one larger than a chunk, is a run of its own."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
     sizes: dict[tuple[torch.dtype, torch.device], int] = {}
+    alone: list[list[torch.Tensor]] = []
     for t in tensors:
+        if _in_place(t):
+            alone.append([t])
+            continue
         kind, nbytes = (t.dtype, t.device), t.numel() * t.element_size()
         runs = by_kind.setdefault(kind, [[]])
         if runs[-1] and sizes[kind] + nbytes > chunk_bytes:
@@ -140,4 +180,4 @@ def _chunks(tensors: Sequence[torch.Tensor], chunk_bytes: int) -> list[list[torc
             sizes[kind] = 0
         runs[-1].append(t)
         sizes[kind] = sizes.get(kind, 0) + nbytes
-    return [run for runs in by_kind.values() for run in runs if run]
+    return alone + [run for runs in by_kind.values() for run in runs if run]

@@ -51,9 +51,9 @@ from torch.optim import Optimizer
 
 from ..engine.collectives import (
     DEFAULT_TIMEOUT,
+    Broadcasts,
     all_gather_ints,
     all_gather_objects,
-    broadcast_tensors,
 )
 from ..engine.reducer import Reducer
 from .zero_shards import Gathers, Piece, check_dense, clip_sharded, flat, pieces_of, set_piece_grads
@@ -289,23 +289,35 @@ class ZeroRedundancyOptimizer(Optimizer):
                 for key, value in group.items():  # an LR scheduler writes into our groups
                     if key != "params":
                         local[key] = value
-            self.optim.step()
         if self._gathers is not None:
-            if self.overlap_param_gather:
-                self._gathers.start()
-            else:  # two in flight: one arriving while the last is written into the parameters
-                self._gathers.start(window=2)
-                self._gathers.finish_all()
-        else:
-            self._broadcast_parameters()
+            self._step_and_gather(self._gathers)
+            return loss
+        if self.optim is not None:
+            self.optim.step()
+        self._broadcast_parameters()
         return loss
 
+    def _step_and_gather(self, gathers: Gathers) -> None:
+        """Step the slices, then gather them back in the order the next forward needs them.
+        (Stepping a few buckets at a time, each group's gathers started while the next one
+        steps, measured slower on loopback: 6.4 against 5.5 ms a step on tiny_gpt, the
+        gathers' copies competing with the step for the same cores.)"""
+        if self.optim is not None:
+            self.optim.step()
+        if self.overlap_param_gather:
+            gathers.start(gathers.order)
+        else:  # two in flight: one arriving while the last is written into the parameters
+            gathers.start(gathers.order, window=2)
+            gathers.finish_all()
+
     def _broadcast_parameters(self) -> None:
+        """Every owner's broadcasts in flight at once (as torch's class), then waited for."""
+        broadcasts = Broadcasts(self.process_group, self.timeout)
         for rank in range(self.world_size):
             owned = [p for part in self._partition for p in part[rank]]
             if owned:
-                broadcast_tensors(self.process_group, owned, src=rank, timeout=self.timeout,
-                                  what=f"broadcast of the parameters rank {rank} stepped")
+                broadcasts.start(owned, rank, f"broadcast of the parameters rank {rank} stepped")
+        broadcasts.finish()
 
     def _agree_before_step(self) -> None:
         """Refuse, on every rank alike, a step some rank is not ready for."""

@@ -124,14 +124,21 @@ class Gathers:
     def pending(self) -> bool:
         return bool(self._pending)
 
-    def start(self, window: int | None = None) -> None:
-        """Start every bucket's all-gather (after the local step); with a `window`, at most that
-        many in flight (each needs a buffer of its bucket's size), the oldest finished first."""
-        self.finish_all()
+    @property
+    def order(self) -> list[int]:
+        """The buckets in the order the next forward needs them: buckets follow the order
+        gradients became ready, the reverse of forward's, so the last bucket first."""
+        return list(reversed(range(len(self.buckets))))
+
+    def start(self, buckets: Sequence[int], window: int | None = None) -> None:
+        """Start these buckets' all-gathers (their slices stepped); with a `window`, at most
+        that many in flight (each needs a buffer of its bucket's size), the oldest finished
+        first."""
         with torch.no_grad():
-            for b, bucket in enumerate(self.buckets):
+            for b in buckets:
                 if window is not None and len(self._pending) >= window:
-                    self.finish([min(self._pending)])
+                    self.finish([next(iter(self._pending))])  # started first (dicts keep order)
+                bucket = self.buckets[b]
                 chunk, rank = bucket.shard.numel(), self.group.rank()
                 lent = self._pool.take(chunk * self.group.size(), bucket.shard.dtype, bucket.shard.device)
                 full = lent.narrow(0, 0, chunk * self.group.size())
@@ -165,7 +172,7 @@ class Gathers:
             self._pool.give(lent)
 
     def finish_all(self) -> None:
-        self.finish(sorted(self._pending))
+        self.finish(list(self._pending))  # in the order they started
 
     def remove_hooks(self) -> None:
         for handle in self._handles:
