@@ -172,6 +172,31 @@ def test_no_sync_on_some_ranks_only_is_detected_at_the_next_sync_on_every_rank(h
     assert "rank 0: 1, rank 1: 2" in message0 and "no_sync() was entered on some ranks only" in message0
 
 
+def test_after_an_uneven_accumulation_error_every_rank_holds_the_same_earlier_averages():
+    # Without a used map each bucket is written back as it lands; the reports are checked when
+    # the last one has landed, before its write-back. So the error leaves the earlier buckets'
+    # averages in .grad, the same on every rank, and the last bucket's parameters their local
+    # gradients.
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
+        ddp(torch.ones(2, 8)).sum().backward()  # the buckets' layout settles
+        model.zero_grad()
+        if rank == 1:
+            with ddp.no_sync():
+                ddp(torch.ones(2, 8)).sum().backward()
+        with pytest.raises(GradSyncError, match="no_sync"):
+            ddp(torch.ones(2, 8) * (rank + 2)).sum().backward()
+        last = set(ddp.reducer.buckets[-1].param_indices)
+        return ({i: p.grad.clone() for i, p in enumerate(model.parameters()) if i not in last},
+                len(ddp.reducer.buckets), len(last))
+
+    (early0, buckets, in_last), (early1, _, _) = run_threaded(body, 2, timeout=30)
+    assert buckets > 1 and early0 and len(early0) + in_last == len(list(MODELS["mlp"]().parameters()))
+    for i, grad in early0.items():
+        assert torch.equal(grad, early1[i]), i
+
+
 def test_deferred_uneven_accumulation_is_raised_on_every_rank_an_iteration_or_two_later():
     # read_back="deferred" (the default on a device group): the report is read once landed.
     outcomes = run_threaded(_uneven_no_sync, 2, False, "deferred", 5, timeout=30)

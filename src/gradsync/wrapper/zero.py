@@ -40,6 +40,8 @@ gradients (`engine.comm.sharded_hook_dtype`); other hooks are refused.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -205,28 +207,24 @@ class ZeroRedundancyOptimizer(Optimizer):
             self._loads[rank] += p.numel()
         return per_rank
 
-    def _local_groups(self) -> list[dict[str, Any]]:
+    def _pieces_by_group(self) -> list[list[Piece]]:
+        """This rank's pieces, per parameter group (the local optimizer's groups), in order."""
         if self.reducer is not None:
-            start, tensors = 0, []
-            for g in self.param_groups:
-                end = start + len(g["params"])
-                tensors.append([p.tensor for p in self._pieces if start <= p.index < end])
-                start = end
-        else:
-            tensors = [part[self.rank] for part in self._partition]
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": mine}
-                for g, mine in zip(self.param_groups, tensors)]
+            by_group: list[list[Piece]] = [[] for _ in self.param_groups]
+            ends = list(itertools.accumulate(len(g["params"]) for g in self.param_groups))
+            for piece in self._pieces:
+                by_group[bisect.bisect_right(ends, piece.index)].append(piece)
+            return by_group
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        return [[Piece(index[id(p)], 0, p.numel(), True, p, None) for p in part[self.rank]] for part in self._partition]
+
+    def _local_groups(self) -> list[dict[str, Any]]:
+        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [p.tensor for p in mine]}
+                for g, mine in zip(self.param_groups, self._pieces_by_group())]
 
     def _local_pieces(self) -> list[Piece]:
         """What the local optimizer steps, in its own order (the order of its state)."""
-        if self.reducer is not None:
-            bounds, start = [], 0
-            for g in self.param_groups:
-                bounds.append((start, start + len(g["params"])))
-                start += len(g["params"])
-            return [p for lo, hi in bounds for p in self._pieces if lo <= p.index < hi]
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return [Piece(index[id(p)], 0, p.numel(), True, p, None) for part in self._partition for p in part[self.rank]]
+        return [p for group in self._pieces_by_group() for p in group]
 
     def _build_local_optimizer(self) -> None:
         groups = self._local_groups()
@@ -279,7 +277,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 loss = closure()
         if self._gathers is not None:
             self._gathers.finish_all()  # a step without a forward since the last one
-        self._agree_before_step()
+        self._check_ready_to_step()
         self._backward_seen = False
         if self.reducer is not None:
             self._reductions = self.reducer.reductions
@@ -319,7 +317,7 @@ class ZeroRedundancyOptimizer(Optimizer):
                 broadcasts.start(owned, rank, f"broadcast of the parameters rank {rank} stepped")
         broadcasts.finish()
 
-    def _agree_before_step(self) -> None:
+    def _check_ready_to_step(self) -> None:
         """Refuse, on every rank alike, a step some rank is not ready for."""
         if self.reducer is not None:
             self._check_sharded_backward()
