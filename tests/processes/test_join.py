@@ -70,6 +70,88 @@ def test_throw_on_early_termination_raises_on_every_rank():
     assert "Detected at least one rank that exhausted inputs" in results[1][0]
 
 
+def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False, find_unused=False, hook=False):
+    from torch.distributed.algorithms.join import Join
+    from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+
+    from gradsync import ZeroRedundancyOptimizer
+
+    model = seeded(MODELS["unused_branch" if find_unused else "mlp"], 0)
+    ddp = wrapper(model, find_unused_parameters=find_unused, **({"bucket_cap_mb": 0.001} if wrapper is GradsyncDDP else {}))
+    if hook:
+        from gradsync.comm_hooks import fp16_compress_hook
+
+        ddp.register_comm_hook(None, fp16_compress_hook)
+    kwargs = {"lr": 0.01}
+    if optimizer == "plain":
+        opt = torch.optim.Adam(model.parameters(), **kwargs)
+    elif optimizer == "torch zero":
+        opt = TorchZero(model.parameters(), torch.optim.Adam, **kwargs)
+    else:
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, shard_gradients=optimizer == "zero-2",
+                                      overlap_param_gather=overlap, **kwargs)
+    g = torch.Generator().manual_seed(rank)
+    data = [torch.randn(4, 8, generator=g) for _ in range(batches[rank])]
+    joined = (ddp.join(divide_by_initial_world_size=divide) if optimizer in ("plain", "zero-2")  # ZeRO-2 joins with it
+              else Join([ddp, opt], divide_by_initial_world_size=divide))
+    with joined:
+        for x in data:
+            opt.zero_grad()
+            ddp(x).pow(2).mean().backward()
+            opt.step()
+    if hasattr(opt, "wait_parameters"):
+        opt.wait_parameters()
+    return {n: t.detach().clone() for n, t in model.state_dict().items()}
+
+
+def _zero_variants(rank, group, batches, divide, overlap, find_unused):
+    args = (batches, divide, overlap, find_unused)
+    return {
+        "torch DDP + torch ZeRO": _train_zero_uneven(rank, TorchDDP, "torch zero", *args),
+        "torch DDP + gradsync ZeRO-1": _train_zero_uneven(rank, TorchDDP, "zero-1", *args),
+        "gradsync DDP + Adam": _train_zero_uneven(rank, GradsyncDDP, "plain", *args),
+        "gradsync DDP + gradsync ZeRO-1": _train_zero_uneven(rank, GradsyncDDP, "zero-1", *args),
+        "gradsync DDP + gradsync ZeRO-2": _train_zero_uneven(rank, GradsyncDDP, "zero-2", *args),
+    }
+
+
+def _hooked_variants(rank, group, batches):
+    return {v: _train_zero_uneven(rank, GradsyncDDP, v, batches, True, hook=True) for v in ("plain", "zero-1", "zero-2")}
+
+
+def test_sharded_optimizers_join_with_a_compression_hook():
+    # The fp16 hook shards with the gradients (ZeRO-2) or runs whole (ZeRO-1, plain): a
+    # joined rank answers it either way and steps its share with the averages.
+    for rank, got in enumerate(run_processes(_hooked_variants, 2, (5, 3), timeout=180, default_group=True)):
+        for variant in ("zero-1", "zero-2"):
+            for name, value in got["plain"].items():
+                torch.testing.assert_close(got[variant][name], value, rtol=0, atol=0, msg=f"rank {rank} {variant} {name}")
+
+
+@pytest.mark.parametrize("batches,divide,overlap,find_unused", [
+    ((5, 3), True, False, False),
+    ((2, 5), False, True, False),
+    ((3, 5), True, False, True),
+    ((4, 6, 2), True, True, False),
+])
+def test_sharded_optimizers_join_uneven_inputs(batches, divide, overlap, find_unused):
+    # Over torch's DDP, gradsync's class does what torch's does (a joined rank steps its share
+    # with its last gradients again). Over gradsync's wrapper the joined rank steps its share
+    # with each iteration's averages, so ZeRO-1 and ZeRO-2 end with the parameters of the
+    # plain optimizer, whose joined rank does not step at all.
+    results = run_processes(_zero_variants, len(batches), batches, divide, overlap, find_unused,
+                            timeout=180, default_group=True)
+    exact = {"rtol": 0, "atol": 0} if len(batches) == 2 else {"rtol": 1e-5, "atol": 1e-6}
+    for rank, got in enumerate(results):
+        for name, value in got["torch DDP + torch ZeRO"].items():
+            torch.testing.assert_close(got["torch DDP + gradsync ZeRO-1"][name], value, rtol=0, atol=0,
+                                       msg=f"rank {rank} {name}: over torch's DDP")
+        for variant in ("gradsync DDP + gradsync ZeRO-1", "gradsync DDP + gradsync ZeRO-2"):
+            for name, value in got["gradsync DDP + Adam"].items():
+                torch.testing.assert_close(got[variant][name], value, msg=f"rank {rank} {variant} {name}", **exact)
+                torch.testing.assert_close(got[variant][name], results[0][variant][name], rtol=0, atol=0)
+
+
 def _mesh_body(rank, group):
     from torch.distributed.device_mesh import init_device_mesh
 

@@ -50,7 +50,8 @@ def test_reports_ride_in_a_tail_or_go_on_their_own():
 
 
 def test_shadow_iteration_answers_every_collective_of_an_active_iteration():
-    # Rank 1 has joined: it contributes zeros to each bucket, the used map and the reports.
+    # Rank 1 has joined: it contributes zeros to each bucket, the used map and the reports,
+    # and takes the sums into its own .grad, as an active rank does.
     def body(rank, group):
         model = seeded(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), 0)
         named = list(model.named_parameters())
@@ -60,17 +61,18 @@ def test_shadow_iteration_answers_every_collective_of_an_active_iteration():
         )
         if rank == 1:
             reducer.shadow_iteration()
-            return None
+            return [p.grad.clone() for p in model.parameters()]
         out = model(torch.ones(2, 4))
         reducer.prepare_for_backward(out, divisor=1)
         out.sum().backward()
         return [p.grad.clone() for p in model.parameters()]
 
-    grads, _ = run_threaded(body, 2)
+    grads, joined = run_threaded(body, 2)
     model = seeded(lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)), 0)
     model(torch.ones(2, 4)).sum().backward()
-    for got, want in zip(grads, model.parameters()):
+    for got, theirs, want in zip(grads, joined, model.parameters()):
         assert torch.equal(got, want.grad)  # averaged over the one active rank
+        assert torch.equal(theirs, got)
 
 
 def test_the_reducer_walks_its_phases_in_order():

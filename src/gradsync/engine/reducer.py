@@ -762,12 +762,6 @@ class Reducer:
         iteration of the ranks still training (`shadow`)."""
         from .shadow import shadow_iteration
 
-        if self._shards is not None:
-            raise RuntimeError(
-                "gradsync: join with sharded gradients is not supported (a joined rank cannot "
-                "match reduce-scatters yet); give every rank the same number of batches, or use "
-                "ZeroRedundancyOptimizer(shard_gradients=False)"
-            )
         shadow_iteration(self)
 
 

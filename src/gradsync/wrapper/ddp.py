@@ -549,22 +549,20 @@ class DistributedDataParallel(_Base):
         """A context for training with uneven inputs, as torch's `DistributedDataParallel.join`.
 
         Ranks that run out of batches keep answering the others' collectives with zeros until
-        all are done; then every rank takes the model of the last rank to finish. With
+        all are done; then every rank takes the model of the last rank to finish. A sharded
+        optimizer holding this wrapper's gradients (ZeRO-2) joins with it; give a ZeRO-1 one
+        to `Join([model, optimizer])` yourself, as with torch's class. With
         `throw_on_early_termination`, every rank raises as soon as one runs out instead.
         """
+        owner = self.reducer.shard_owner() if self.reducer is not None and self.reducer.shard_owner else None
         return Join(
-            [self],
+            [self] if owner is None else [self, owner],  # a joined rank steps its shard too
             enable,
             throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        if self.reducer is not None and self.reducer.sharded:
-            raise NotImplementedError(
-                "gradsync: join() with sharded gradients is not supported yet (a joined rank "
-                "cannot match reduce-scatters); use ZeroRedundancyOptimizer(shard_gradients=False)"
-            )
         if self._delayed is not None or self.reducer is None:
             raise NotImplementedError(
                 "gradsync: join() does not support delay_all_reduce_named_params yet (a joined "

@@ -36,6 +36,10 @@ per step). With sharded gradients the groups are fixed and no such collective ru
 no synchronised backward raises at once, and the others within their timeout. The averaging and
 compression hooks (`allreduce_hook`, `fp16_compress_hook`, `bf16_compress_hook`) shard with the
 gradients (`engine.comm.sharded_hook_dtype`); other hooks are refused.
+
+It is a `Joinable`, as torch's class, for uneven inputs: `Join([model, optimizer])` (under
+ZeRO-2 `model.join()` brings it in) keeps a rank that has run out of data stepping its share
+after each synchronised iteration of the others (`join_hook`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
 from ..engine.collectives import (
@@ -63,7 +68,7 @@ from .zero_shards import Gathers, Piece, check_dense, clip_sharded, flat, pieces
 __all__ = ["ZeroRedundancyOptimizer"]
 
 
-class ZeroRedundancyOptimizer(Optimizer):
+class ZeroRedundancyOptimizer(Optimizer, Joinable):
     """Wraps `optimizer_class(**defaults)`; each rank keeps the state of its own parameters.
 
     Beyond torch's keywords: `shard_gradients` (None: when the parameters are a gradsync
@@ -126,8 +131,12 @@ class ZeroRedundancyOptimizer(Optimizer):
         else:
             for g in self.param_groups:
                 self._partition.append(self._split(g["params"]))
+        # The reducer whose count of synchronised backwards a joined rank steps by (`_joined_step`).
+        self._synced_by = self.reducer or _reducer_of(params_all)
+        self._syncs = self._synced_by.reductions if self._synced_by is not None else 0
         self.optim: Optimizer | None = None
         self._build_local_optimizer()
+        Joinable.__init__(self)
         self._consolidated: dict[str, Any] | None = None
         self._ready = True
 
@@ -158,7 +167,6 @@ class ZeroRedundancyOptimizer(Optimizer):
         position = {id(p): i for i, p in enumerate(params_all)}
         self._pieces = pieces_of(reducer, position)
         self._had_grad: set[int] = set()  # reducer indices with a gradient since zero_grad(set_to_none=True)
-        self._reductions = reducer.reductions
         self._gathers = Gathers(reducer, self._pieces, wrapper.module, self.process_group, self.timeout)
         weakref.finalize(self, self._gathers.remove_hooks)
 
@@ -271,6 +279,7 @@ class ZeroRedundancyOptimizer(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         """Step the owned parameters, then broadcast every owner's parameters to the others."""
+        Join.notify_join_context(self)  # as torch's class: when it is the first joinable
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -279,8 +288,9 @@ class ZeroRedundancyOptimizer(Optimizer):
             self._gathers.finish_all()  # a step without a forward since the last one
         self._check_ready_to_step()
         self._backward_seen = False
+        if self._synced_by is not None:
+            self._syncs = self._synced_by.reductions
         if self.reducer is not None:
-            self._reductions = self.reducer.reductions
             self._take_shards()
         if self.optim is not None:
             for local, group in zip(self.optim.param_groups, self.param_groups):
@@ -344,13 +354,44 @@ class ZeroRedundancyOptimizer(Optimizer):
         refused), and a rank without a synchronised backward knows it. It raises here; a rank
         that did run one is then waiting in a reduction or gather this rank never joins, and
         raises within its timeout."""
-        if self.reducer.reductions > self._reductions:  # type: ignore[union-attr]
+        if self.reducer.reductions > self._syncs:  # type: ignore[union-attr]
             return
         raise RuntimeError(
             f"ZeroRedundancyOptimizer.step: no synchronised backward since the last step on rank {self.rank} "
             f"(of {self.world_size}): the gradients are sharded only by a backward outside no_sync(); "
             "run one before every step(), on every rank."
         )
+
+    # ------------------------------------------------------------------ uneven inputs
+
+    def join_hook(self, **_kwargs: Any) -> JoinHook:
+        """For `torch.distributed.algorithms.join.Join([model, optimizer])` (the model first:
+        a joined rank answers its collectives in the order the joinables are listed): a rank
+        that has run out of data still steps its share after each synchronised iteration of
+        the others and sends it, as torch's class does. Over a gradsync wrapper its share is
+        stepped with that iteration's averages (the wrapper's joined rank takes the sums in:
+        `engine.shadow`); torch's DDP leaves a joined rank its last gradients, which torch's
+        class then steps with again."""
+        return _ZeroJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.param_groups[0]["params"][0].device
+
+    @property
+    def join_process_group(self) -> dist.ProcessGroup:
+        return self.process_group
+
+    def _joined_step(self) -> None:
+        """The step of a rank that has joined, once per iteration of the ranks still training.
+        Over a gradsync wrapper only after a synchronised one (the others step then; inside
+        no_sync they accumulate), on every iteration otherwise (torch's class)."""
+        if self._synced_by is not None and self._synced_by.reductions == self._syncs:
+            return
+        self._backward_seen = True  # its backward was the shadow iteration
+        self.step()
+        if self._gathers is not None:
+            self._gathers.finish_all()  # no forward of its own will
 
     # ------------------------------------------------------------------ state dicts
 
@@ -421,6 +462,23 @@ class ZeroRedundancyOptimizer(Optimizer):
         owned = sum(len(part[self.rank]) for part in self._partition)
         return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
                 f"{self.world_size}, owns {owned} of {total} parameters)")
+
+
+class _ZeroJoinHook(JoinHook):
+    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
+        self.zero = zero
+
+    def main_hook(self) -> None:
+        self.zero._joined_step()
+
+
+def _reducer_of(params: list[torch.Tensor]) -> Reducer | None:
+    """The reducer of the one live gradsync wrapper these parameters all belong to, if any."""
+    found = {id(w): w for p in params if (w := getattr(p, "_gradsync_wrapper", _none)()) is not None}
+    owners = [getattr(p, "_gradsync_wrapper", _none)() for p in params if p.requires_grad]
+    if len(found) != 1 or any(o is None for o in owners):
+        return None
+    return next(iter(found.values())).reducer
 
 
 def _wrapper_of(params: list[torch.Tensor]) -> Any:
