@@ -555,8 +555,11 @@ class DistributedDataParallel(_Base):
         `throw_on_early_termination`, every rank raises as soon as one runs out instead.
         """
         owner = self.reducer.shard_owner() if self.reducer is not None and self.reducer.shard_owner else None
+        joinables: list[Joinable] = [self]
+        if isinstance(owner, Joinable):  # a joined rank steps its shard too
+            joinables.append(owner)
         return Join(
-            [self] if owner is None else [self, owner],  # a joined rank steps its shard too
+            joinables,
             enable,
             throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
