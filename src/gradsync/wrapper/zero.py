@@ -473,17 +473,17 @@ class _ZeroJoinHook(JoinHook):
 
 
 def _reducer_of(params: list[torch.Tensor]) -> Reducer | None:
-    """The reducer of the one live gradsync wrapper these parameters all belong to, if any."""
-    found = {id(w): w for p in params if (w := getattr(p, "_gradsync_wrapper", _none)()) is not None}
-    owners = [getattr(p, "_gradsync_wrapper", _none)() for p in params if p.requires_grad]
-    if len(found) != 1 or any(o is None for o in owners):
+    """The reducer of the one live gradsync wrapper all these trainable parameters belong to."""
+    trainable = [p for p in params if p.requires_grad]
+    wrappers = _wrappers(trainable)
+    if len(wrappers) != 1 or any(getattr(p, "_gradsync_wrapper", _none)() is None for p in trainable):
         return None
-    return next(iter(found.values())).reducer
+    return next(iter(wrappers.values())).reducer
 
 
 def _wrapper_of(params: list[torch.Tensor]) -> Any:
     """The live gradsync wrapper these parameters belong to, if any (one is required)."""
-    found = {id(w): w for p in params if (w := getattr(p, "_gradsync_wrapper", _none)()) is not None}
+    found = _wrappers(params)
     if len(found) > 1:
         raise ValueError(
             f"ZeroRedundancyOptimizer: the parameters belong to {len(found)} gradsync.DistributedDataParallel "
@@ -491,6 +491,10 @@ def _wrapper_of(params: list[torch.Tensor]) -> Any:
             "or pass shard_gradients=False"
         )
     return next(iter(found.values()), None)
+
+
+def _wrappers(params: list[torch.Tensor]) -> dict[int, Any]:
+    return {id(w): w for p in params if (w := getattr(p, "_gradsync_wrapper", _none)()) is not None}
 
 
 def _none() -> None:
