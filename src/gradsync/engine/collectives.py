@@ -1,4 +1,5 @@
-"""The few blocking collectives gradsync needs outside the hot path, each with a timeout.
+"""The few collectives gradsync needs outside the hot path, each with a timeout: blocking ones,
+and broadcasts started together and finished together (`Broadcasts`).
 
 They take the process group as an argument and use only its own methods, so they work on any
 `dist.ProcessGroup`, registered with torch's default world or not (threaded test groups are not).
