@@ -12,9 +12,14 @@ from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.testing import RankError, run_processes, run_threaded, seeded
 
 
-def _train_uneven(rank, cls, model_name, batches, divide, throw, find_unused):
+def _train_uneven(rank, cls, model_name, batches, divide, throw, find_unused, report=False, mixed=False):
+    from torch.nn.parallel.distributed import _MixedPrecision
+
     model = seeded(MODELS[model_name], 0)
-    ddp = cls(model, find_unused_parameters=find_unused)
+    precision = {"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    ddp = cls(model, find_unused_parameters=find_unused, **precision)
+    if report:  # the used map all-gathered instead of all-reduced
+        ddp.report_unused_parameters()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randn(4, 8, generator=g) for _ in range(batches[rank])]
@@ -57,6 +62,22 @@ def test_uneven_inputs_finish_and_match_torch(batches, divide, model_name, find_
             tol = {"rtol": 0, "atol": 0} if exact else {}
             torch.testing.assert_close(value, theirs[name], msg=f"rank {rank} {name}", **tol)
             torch.testing.assert_close(value, reference[name], rtol=0, atol=0)
+
+
+def _options(rank, group, report, mixed):
+    plain = _train_uneven(rank, GradsyncDDP, "unused_branch", (5, 3), True, False, True, mixed=mixed)
+    return plain, _train_uneven(rank, GradsyncDDP, "unused_branch", (5, 3), True, False, True, report, mixed)
+
+
+@pytest.mark.parametrize("report,mixed", [(True, False), (False, True), (True, True)])
+def test_a_joined_rank_answers_the_reported_used_map_and_mixed_precision(report, mixed):
+    # Its shadow sends what an active rank sends: the used map all-gathered when reported, the
+    # buckets in the reduce dtype under mixed precision; every rank ends with the same model.
+    results = run_processes(_options, 2, report, mixed, timeout=120, default_group=True)
+    for name, value in results[0][1].items():
+        assert torch.equal(value, results[1][1][name]), name
+        if report:  # reporting changes nothing but what is recorded
+            assert torch.equal(value, results[0][0][name]), name
 
 
 def test_throw_on_early_termination_raises_on_every_rank():
