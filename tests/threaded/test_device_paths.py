@@ -90,6 +90,26 @@ def test_broadcasts_from_several_roots_in_flight_at_once_large_tensors_in_place(
             assert all(torch.equal(t, torch.full_like(t, float(root + 1))) for t in mine)
 
 
+def test_broadcasts_a_peer_never_joins_raise_within_the_timeout():
+    from datetime import timedelta
+
+    from gradsync.engine.errors import ReductionTimeoutError
+
+    def body(rank, group):
+        if rank == 1:  # alive, in no collective: rank 0 must give up by its timeout
+            time.sleep(3)
+            return "left"
+        broadcasts = Broadcasts(group, timedelta(seconds=1))
+        broadcasts.start([torch.ones(IN_PLACE_BYTES // 4), torch.ones(3)], 0, "broadcast of rank 0's parameters")
+        start = time.monotonic()
+        with pytest.raises(ReductionTimeoutError, match="broadcast of rank 0's parameters did not complete"):
+            broadcasts.finish()
+        return time.monotonic() - start
+
+    waited, left = run_threaded(body, 2, timeout=30)
+    assert left == "left" and waited < 10
+
+
 def _train(rank, group, cls, read_back, steps=4, find_unused=False):
     model = seeded(MODELS["unused_branch" if find_unused else "mlp"], 0)
     ddp = cls(model, process_group=group, find_unused_parameters=find_unused)

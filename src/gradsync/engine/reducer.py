@@ -484,9 +484,9 @@ class Reducer:
             self._settle(self.buckets[self._settled])
             self._settled += 1
 
-    def _settle(self, bucket: Bucket) -> None:
+    def _settle(self, bucket: Bucket, record: bool = True) -> None:
         self._waits(bucket.work, f"reduce-scatter of bucket {bucket.index}", bucket)  # raises if it failed
-        if self._clock is not self._device_clock:  # gloo's reduce-scatter has no Future to time it by
+        if record and self._clock is not self._device_clock:  # gloo's reduce-scatter has no Future to time it by
             self._timeline.events.append((self._clock(), EventKind.COMPLETE, bucket.index))
         bucket.take_shard()
         if bucket.transient:  # back to the pool; the last bucket's tail is read before any
@@ -561,7 +561,7 @@ class Reducer:
         """Wait for every bucket and the used map, then write back what some rank used."""
         self._wait_buckets()
         if not self._ride:  # after every bucket and the used map, on every rank
-            self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
+            self._start_reports()
         used = self._used.finish(self._waits)
         self._check_reports()  # raises before any gradient is written back
         if self._static is not None:  # the first iteration's used map holds for good
@@ -586,9 +586,13 @@ class Reducer:
             self._land(bucket)
             if bucket is last:
                 if not self._ride:  # after every bucket, on every rank
-                    self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
+                    self._start_reports()
                 self._check_reports()
             bucket.write_back(None, self.config.gradient_as_bucket_view)
+
+    def _start_reports(self) -> None:
+        """This rank's report in a small all-reduce of its own (when it cannot ride along)."""
+        self._reports.start(self.buckets[0].buffer.device, self._micro_steps, bool(self._missing))
 
     def _land(self, bucket: Bucket) -> None:
         """Wait until `bucket`'s reduction has landed (a sharded one: settled, if not already)."""

@@ -42,10 +42,11 @@ def shadow_iteration(reducer: Reducer) -> None:
                 _shadow_bucket(reducer, bucket, ride)
         used = _shadow_used_map(reducer, device)
         if not ride:
-            reducer._reports.start(device, 0, False)
+            reducer._start_reports()  # it counts 0 micro-steps, nothing missing
         reducer._check_reports()
         for bucket in reducer.buckets:  # nothing for a sharded bucket: its sum is its shard
-            bucket.write_back(used, reducer.config.gradient_as_bucket_view)
+            if not bucket.sparse:  # a sparse one sent a dense zero: nothing of its own to take
+                bucket.write_back(used, reducer.config.gradient_as_bucket_view)
         reducer.last_used, reducer.reductions = used, reducer.reductions + 1
     finally:
         reducer._clear_reduction()
@@ -73,8 +74,8 @@ def _shadow_bucket(reducer: Reducer, bucket: Bucket, ride: bool) -> None:
     reducer._waits(work, f"shadow reduction {bucket.index} of a joined rank")
     if tail is not None:  # the active ranks' reports came back in the last bucket's tail
         reducer._reports.received(tail.clone() if bucket.transient else tail)
-    if bucket.collective == "reduce_scatter":
-        reducer._settle(bucket)  # its shard taken, its buffer back to the pool
+    if bucket.collective == "reduce_scatter":  # its shard taken, its buffer back to the pool;
+        reducer._settle(bucket, record=False)  # no iteration's timeline of this rank to add to
 
 
 def _shadow_used_map(reducer: Reducer, device: torch.device) -> list[int] | None:
