@@ -162,8 +162,9 @@ def test_deferred_missing_gradients_raise_at_once_on_their_rank_and_later_elsewh
 def test_step_path_reads_no_tensor_on_the_host_when_read_back_is_deferred(monkeypatch, read_back):
     """The CPU stand-in for torch.cuda.set_sync_debug_mode("error"): with the defaults,
     find_unused_parameters and the accumulation check on, steps after the first read no
-    tensor's value on the host, except through `device.HostRead` (pinned memory, once landed).
-    Read back "now" (gloo's default), the same steps do read: the count is a real one."""
+    tensor's value on the host, except through `device.HostRead` (pinned memory, once landed);
+    nor does the opt-in finite check. Read back "now" (gloo's default), the same steps do
+    read: the count is a real one."""
     reads: list[str] = []
     allowed = ("gradsync/engine/device.py",)
 
@@ -185,7 +186,7 @@ def test_step_path_reads_no_tensor_on_the_host_when_read_back_is_deferred(monkey
     def body(rank, group, find_unused):
         model = seeded(MODELS["mlp"], 0)
         ddp = GradsyncDDP(model, process_group=group, find_unused_parameters=find_unused)
-        ddp.reducer.configure(read_back=read_back, check_accumulation=True)
+        ddp.reducer.configure(read_back=read_back, check_accumulation=True, check_finite=True)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(5):
             if step == 2 and rank == 0:
@@ -202,6 +203,52 @@ def test_step_path_reads_no_tensor_on_the_host_when_read_back_is_deferred(monkey
         assert reads == []
     else:
         assert any("accumulation.py" in r for r in reads), reads
+        assert any("checks.py" in r for r in reads), reads
+
+
+def test_deferred_finite_check_names_the_gradient_at_a_later_iteration():
+    """Read back deferred, a NaN made on rank 1 in iteration 2 is averaged (no host read
+    stopped it) and named by rank 1 once the norms have landed: at the end of that backward
+    or a later iteration's start, either way outside any collective, so the rank can go on
+    and the others are not left waiting. Read back now, it is named before the bucket is
+    sent (`test_reliability`)."""
+    def body(rank, group):
+        ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group)
+        ddp.reducer.configure(read_back="deferred", check_finite=True)
+        errors = []
+        for step in range(1, 6):
+            x = torch.ones(2, 8)
+            if rank == 1 and step == 2:
+                x[0, 0] = float("nan")
+            ddp.zero_grad()  # rank 0's own gradients stay finite (its averages were not)
+            try:
+                out = ddp(x)
+            except GradSyncError as error:  # raised before this iteration's collectives
+                errors.append((step, str(error)))
+                out = ddp(x)
+            try:
+                out.sum().backward()
+            except GradSyncError as error:  # raised once every collective had landed
+                errors.append((step, str(error)))
+        return errors
+
+    errors0, errors1 = run_threaded(body, 2, timeout=30)
+    assert errors0 == []
+    [(step, message)] = errors1
+    assert step in (2, 3, 4), step
+    assert "on rank 1 holds NaN in iteration 2" in message and "read_back" in message
+    assert any(f"'net.{i}." in message for i in range(6)), message
+
+
+def test_finite_check_takes_half_precision_norms_in_float32():
+    """An fp16 gradient whose fp16 norm overflows is finite: no error; an infinity is one."""
+    from gradsync.engine.checks import check_finite
+
+    big = torch.full((100_000,), 300.0, dtype=torch.float16)  # its fp16 norm is inf
+    check_finite([big], ["big"], 0, 1)
+    big[7] = float("inf")
+    with pytest.raises(GradSyncError, match="'big' on rank 0 holds infinite values in iteration 1"):
+        check_finite([big], ["big"], 0, 1)
 
 
 class _FakeEvent:

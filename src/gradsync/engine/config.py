@@ -59,8 +59,10 @@ class ReducerConfig:
     """How many finished iterations' timelines to keep (bounded memory)."""
 
     check_finite: bool = False
-    """Check each bucket's gradients for NaN and Inf before they are sent, naming the parameter
-    and the rank (costs a pass over the gradients)."""
+    """Check each bucket's gradients for NaN and Inf, naming the parameter and the rank
+    (costs a pass over the gradients): before they are sent when reports are read back
+    "now"; read back "deferred", once the norms have reached the host, after the bucket was
+    averaged (no host sync)."""
 
     report_unused: bool = False
     """With find_unused_parameters: all-gather every rank's used map instead of all-reducing

@@ -37,7 +37,7 @@ from . import missing, static_graph
 from .accumulation import Reports, decode, uneven
 from .bucket import Bucket, Sharding
 from .bucketing import validate_bucket_indices
-from .checks import check_finite
+from .checks import PendingFinite, check_finite, check_finite_later
 from .comm import CommHook, HookChain, check_registration, sharded_hook_dtype
 from .config import RUNTIME_FIELDS, ReducerConfig
 from .device import HostRead, host_runs_collectives, wait_stream_of
@@ -113,6 +113,7 @@ class Reducer:
         self._clock = _recording_clock(self.config, self._device_clock)
         self._defer = _defers_reads(self.config, process_group)
         self._deferred: deque[tuple[int, HostRead]] = deque()  # (iteration, its reports)
+        self._finite: deque[PendingFinite] = deque()  # deferred finite checks, one per bucket
         # Called with (rank, timeline) after every synchronised iteration (the wrapper logs
         # per-iteration stats through one at GRADSYNC_DEBUG=DETAIL).
         self.iteration_listeners: list[Callable[[int, IterationTimeline], None]] = []
@@ -421,12 +422,18 @@ class Reducer:
             self._fill_sparse(bucket)
             return
         if self.config.check_finite:
-            grads = [p.grad for p in bucket.params]
-            check_finite(grads, [self.names[i] for i in bucket.param_indices], self.rank, self.iteration)
+            self._check_finite(bucket)
         if self._streams is not None:  # also orders the copies `take_one` made on those streams
             wait_stream_of([self._streams[i] for i in bucket.param_indices])
             bucket.stream = torch.cuda.current_stream()  # where the chain launches it (M2)
         bucket.fill(self._fill_divisor(), self.config.gradient_as_bucket_view)
+
+    def _check_finite(self, bucket: Bucket) -> None:
+        grads, names = [p.grad for p in bucket.params], [self.names[i] for i in bucket.param_indices]
+        if not self._defer:
+            check_finite(grads, names, self.rank, self.iteration)
+        elif (pending := check_finite_later(grads, names, self.rank, self.iteration)) is not None:
+            self._finite.append(pending)  # read at a later iteration's start (`_check_deferred`)
 
     def _fill_divisor(self) -> int:
         # A communication hook averages itself (torch's protocol); mixed precision scales in the
@@ -650,8 +657,8 @@ class Reducer:
     def _defer_reports(self) -> None:
         """Deferred read-back: this rank's own missing gradients raise now (the host knows
         them); the summed reports are read once they have landed (`_check_deferred`)."""
-        self._check_deferred()  # what has landed (a joined rank never starts an iteration)
         pending = self._reports.finish_later(self._waits)
+        self._check_deferred()  # what has landed (a joined rank never starts an iteration)
         if pending is not None:
             self._deferred.append((self.iteration, pending))
         if self._missing:
@@ -662,7 +669,18 @@ class Reducer:
 
     def _check_deferred(self) -> None:
         """Read the reports of earlier iterations that have landed (asking, not waiting), and
-        those of the iteration before last in any case; raise what they show."""
+        those of the iteration before last in any case; raise what they show. The same for
+        the deferred finite checks' norms."""
+        while self._finite:
+            finite = self._finite[0]
+            if finite.iteration >= self.iteration and not finite.ready():
+                break
+            self._finite.popleft()
+            try:
+                finite.check()
+            except GradSyncError:
+                self._finite.clear()
+                raise
         while self._deferred:
             iteration, pending = self._deferred[0]
             if iteration >= self.iteration and not pending.ready():
