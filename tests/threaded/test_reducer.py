@@ -378,3 +378,48 @@ def test_a_failed_collective_is_told_from_a_timed_out_one_by_the_clock():
         wait(Failing(0.0), "probe", Group(), timedelta(seconds=1))
     with pytest.raises(ReductionTimeoutError, match="probe did not complete within 0:00:00.200000"):
         wait(Failing(0.2), "probe", Group(), timedelta(seconds=0.2))
+
+
+def _poisoned_empty(original):
+    """`torch.empty` as uninitialised memory may come: NaN everywhere (floating dtypes)."""
+    def empty(*args, **kwargs):
+        t = original(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+    return empty
+
+
+class _UsedOnRankZero(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used, self.spare, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x, rank):
+        h = self.used(x) + self.spare(x) if rank == 0 else self.used(x)
+        return self.out(torch.relu(h))
+
+
+def _train_used_on_rank_zero(rank, group, wrapper_cls, **kwargs):
+    model = seeded(_UsedOnRankZero, 0)
+    ddp = wrapper_cls(model, process_group=group, bucket_cap_mb=0.0001, **kwargs)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        opt.zero_grad()
+        ddp(torch.ones(2, 8) * (step + rank + 1), rank).pow(2).sum().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"find_unused_parameters": True},
+    {"find_unused_parameters": True, "gradient_as_bucket_view": True},
+    {"static_graph": True},
+], ids=["find_unused", "find_unused_as_view", "static_graph"])
+def test_buckets_need_no_zeroed_memory(monkeypatch, kwargs):
+    """Buckets are allocated with `empty`, as torch's are: with every new tensor made of NaNs,
+    a parameter used on one rank only (its bucket view on the other must be zeroed by the
+    fill) still gets exactly torch's average."""
+    theirs = run_threaded(_train_used_on_rank_zero, 2, torch.nn.parallel.DistributedDataParallel, timeout=60, **kwargs)
+    monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
+    ours = run_threaded(_train_used_on_rank_zero, 2, gradsync.DistributedDataParallel, timeout=60, **kwargs)
+    for a, b in zip(ours, theirs):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))

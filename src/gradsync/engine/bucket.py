@@ -154,16 +154,16 @@ class Bucket:
         return self._tail_numel > 0
 
     def allocate(self) -> None:
-        """Give the bucket its buffer (zeros: the padding and tail must be) and the views.
-        A buffer lent by the pool is stale: only what lies past the gradients is zeroed, since
-        `fill` writes every view."""
+        """Give the bucket its buffer and the views. The buffer is not zeroed, new or lent by
+        the pool (as torch's reducer allocates with `empty`): `fill` writes every view, zeros
+        where a gradient is missing. Only what lies past the gradients (padding, tail) is."""
         if self._pool is None:
-            self.wire = torch.zeros(self._wire_numel, dtype=self._dtype, device=self._device)
+            self.wire = torch.empty(self._wire_numel, dtype=self._dtype, device=self._device)
         else:
             self._lent = self._pool.take(self._wire_numel, self._dtype, self._device)
             self.wire = self._lent.narrow(0, 0, self._wire_numel)
-            if self._wire_numel > self.numel:
-                self.wire.narrow(0, self.numel, self._wire_numel - self.numel).zero_()
+        if self._wire_numel > self.numel:
+            self.wire.narrow(0, self.numel, self._wire_numel - self.numel).zero_()
         self.buffer = self.wire.narrow(0, 0, self.numel) if self._wire_numel != self.numel else self.wire
         self.tail = self.wire.narrow(0, self.numel, self._tail_numel) if self._tail_numel else None
         self.payload = self.buffer
