@@ -9,6 +9,11 @@ and on a GPU a new block can force the caching allocator to synchronise. A pool 
 stay warm.
 
 A lent buffer holds whatever its last user left in it: callers write or zero what they read.
+
+On a GPU nothing here needs `record_stream`: a buffer comes back only after its collective was
+waited for, and a device wait makes the current stream wait for the communication stream, so
+its next user (or the caching allocator, if the pool drops it) runs on the current stream
+after the collective has finished with it.
 """
 
 from __future__ import annotations
