@@ -36,6 +36,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = [
+    "LateLandingGroup",
     "RankError",
     "RankTimeoutError",
     "free_port",
@@ -313,3 +314,100 @@ def run_torchrun(
         out, _ = proc.communicate(timeout=30)
         raise RankTimeoutError(f"torchrun {script} did not finish within {timeout}s:\n{out}") from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+class LateLandingGroup:
+    """A host process group with NCCL's contract: a collective's Work and Future complete
+    before its data has landed, and the data lands only at `wait()` (or in a `then` callback).
+
+    On a GPU, NCCL's Future is complete once the collective is enqueued; its `value()` returns
+    the tensors without waiting, so a read that did not go through `wait()` sees whatever was
+    there before (stale gradients, not an error). Here each collective runs on a staged copy
+    of its outputs, copied into them at the first `wait()`, `result()` or `then` callback:
+    code that reads any other way reads the pre-collective values, on CPU, every time. Every
+    other attribute is the wrapped group's.
+    """
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self._group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._group, name)
+
+    def allreduce(self, tensors: list[torch.Tensor], *args: Any) -> _LateWork:
+        staged = [t.clone() for t in tensors]
+        return _LateWork(self._group.allreduce(staged, *args), tensors, staged, tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], *args: Any) -> _LateWork:
+        staged = [t.clone() for t in tensors]
+        return _LateWork(self._group.broadcast(staged, *args), tensors, staged, tensors)
+
+    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *args: Any) -> _LateWork:
+        staged = [[t.clone() for t in row] for row in outputs]
+        work = self._group.allgather(staged, inputs, *args)
+        return _LateWork(work, [t for row in outputs for t in row], [t for row in staged for t in row], outputs)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> _LateWork:
+        staged = output.clone()
+        return _LateWork(self._group._allgather_base(staged, input, *args), [output], [staged], [output])
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> _LateWork:
+        staged = output.clone()
+        return _LateWork(self._group._reduce_scatter_base(staged, input, *args), [output], [staged], [output])
+
+
+class _LateWork:
+    def __init__(self, work: dist.Work, targets: list[torch.Tensor], staged: list[torch.Tensor], value: Any) -> None:
+        self._work, self._targets, self._staged, self._value = work, targets, staged, value
+        self._landed = False
+
+    def _land(self) -> None:
+        if not self._landed:
+            self._work.wait()
+            for target, staged in zip(self._targets, self._staged):
+                target.copy_(staged)
+            self._landed = True
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        done = self._work.wait(timeout) if timeout is not None else self._work.wait()
+        self._land()
+        return done
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def is_success(self) -> bool:
+        return self._work.is_success()
+
+    def exception(self) -> Any:
+        return self._work.exception()
+
+    def result(self) -> Any:
+        self._land()
+        return self._value
+
+    def get_future(self) -> torch.futures.Future:
+        future = _LateFuture(self._land)
+        future.set_result(self._value)  # complete at once, as NCCL's at enqueue
+        return future
+
+
+class _LateFuture(torch.futures.Future):
+    """Complete from the start; its value's data lands at `wait()` or before a callback."""
+
+    def __init__(self, land: Callable[[], None]) -> None:
+        super().__init__()
+        self._land = land
+
+    def wait(self) -> Any:
+        self._land()
+        return super().wait()
+
+    def then(self, callback: Callable[[Any], Any]) -> torch.futures.Future:
+        land = self._land
+
+        def landed_first(future: Any) -> Any:
+            land()
+            return callback(future)
+
+        return super().then(landed_first)
