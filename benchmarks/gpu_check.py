@@ -129,10 +129,12 @@ def no_host_sync(group: dist.ProcessGroup, device: torch.device) -> Any:
     if device.type != "cuda":
         return "SKIP", {"why": "CUDA only (tests/threaded/test_device_paths.py is the CPU stand-in)"}
     figures = {}
-    for name, kwargs in [("defaults", {}), ("find_unused_parameters", {"find_unused_parameters": True})]:
+    for name, kwargs, finite in [("defaults", {}, False),
+                                 ("find_unused_parameters", {"find_unused_parameters": True}, False),
+                                 ("NaN check (read back deferred)", {}, True)]:
         model = Branchy().to(device)
         ddp = gradsync.DistributedDataParallel(model, process_group=group, **kwargs)
-        ddp.reducer.configure(check_accumulation=True)
+        ddp.reducer.configure(check_accumulation=True, check_finite=finite)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         x = torch.randn(16, 32, device=device)
         steps(ddp, opt, x, 3)  # construction-time reads and the bucket rebuild happen here
