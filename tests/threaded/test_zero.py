@@ -6,6 +6,7 @@ load at another world size, and bad input refused on every rank alike."""
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -194,3 +195,61 @@ def test_a_rank_that_never_steps_makes_the_others_raise_not_hang():
 
     with pytest.raises(RankError, match="rank 0"):
         run_threaded(body, 2, timeout=30)
+
+
+def test_without_the_per_step_agreement_the_step_reads_nothing_on_the_host(monkeypatch):
+    """On a device group (NCCL: `host_runs_collectives` is False there) ZeRO-1's step runs no
+    agreement collective, whose result the host would have to read every step: the same
+    parameters, no tensor read on the host by gradsync, and a rank with no backward raises
+    at once while the other, waiting in a broadcast it never joins, raises within its
+    timeout."""
+    from datetime import timedelta
+
+    reads: list[str] = []
+    counting = [False]
+    for name in ("item", "tolist", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def read(self, *args, _original=original, _name=name, **kwargs):
+            caller = sys._getframe(1).f_code.co_filename
+            if counting[0] and "gradsync" in caller and not caller.endswith("engine/device.py"):  # HostRead
+                reads.append(f"{_name} from {caller}:{sys._getframe(1).f_lineno}")
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, read)
+    batches = make_batches(STEPS, 2)
+
+    def body(rank, group, agree):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group)
+        ddp.reducer.configure(read_back="deferred")  # the wrapper as on a device group too
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group,
+                                      shard_gradients=False, timeout=timedelta(seconds=2), lr=0.01)
+        assert opt._agree_each_step  # gloo; as on NCCL below
+        opt._agree_each_step = agree
+        for i, batch in enumerate(batches):
+            counting[0] = i > 0 and rank == 0
+            opt.zero_grad()
+            _loss(ddp(_shard(batch, rank, 2))).backward()
+            opt.step()
+        counting[0] = False
+        params = [p.detach().clone() for p in model.parameters()]
+        try:
+            if rank == 0:
+                with ddp.no_sync():  # a backward, and no collective for rank 1 to miss
+                    _loss(ddp(torch.ones(2, 8))).backward()
+            opt.step()  # rank 1 ran no backward since its last step
+        except RuntimeError as error:
+            return params, str(error)
+        return params, "no error"
+
+    agreed = run_threaded(body, 2, True, timeout=60)
+    assert any("collectives.py" in r for r in reads), reads  # the agreement does read: a real count
+    reads.clear()
+    local = run_threaded(body, 2, False, timeout=60)
+    assert reads == []
+    for (a, _), (b, _) in zip(agreed, local):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert "no backward since the last step on rank(s) [1]" in agreed[0][1] == agreed[1][1]
+    assert "no backward since the last step on rank 1 (of 2)" in local[1][1]
+    assert "broadcast" in local[0][1] and "2 s" in local[0][1] or "0:00:02" in local[0][1], local[0][1]

@@ -433,7 +433,7 @@ class Reducer:
         if not self._defer:
             check_finite(grads, names, self.rank, self.iteration)
         elif (pending := check_finite_later(grads, names, self.rank, self.iteration)) is not None:
-            self._finite.append(pending)  # read at a later iteration's start (`_check_deferred`)
+            self._finite.append(pending)  # read once landed (`_check_deferred`)
 
     def _fill_divisor(self) -> int:
         # A communication hook averages itself (torch's protocol); mixed precision scales in the

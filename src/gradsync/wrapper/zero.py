@@ -28,12 +28,13 @@ hold their old values: call `wait_parameters()` before reading them any other wa
 Gradient clipping must then go through `clip_grad_norm_` of this class: torch's function would
 see no gradients.
 
-Without sharded gradients every `step()` first agrees, in one small all-gather, that each rank
-has the same parameter groups and has run a backward since its last step; a rank that differs
-makes every rank raise the same error, naming the ranks and their values, instead of leaving the
-others waiting in a collective (on a GPU that reads three integers per rank back to the host once
-per step). With sharded gradients the groups are fixed and no such collective runs: a rank with
-no synchronised backward raises at once, and the others within their timeout. The averaging and
+Without sharded gradients, on a host group (gloo), every `step()` first agrees, in one small
+all-gather, that each rank has the same parameter groups and has run a backward since its last
+step; a rank that differs makes every rank raise the same error, naming the ranks and their
+values, instead of leaving the others waiting in a collective. On a device group (NCCL) that
+would read the all-gather on the host every step, a sync that stops the host running ahead, so
+there, as with sharded gradients (whose groups are fixed), no such collective runs: a rank with
+no backward raises at once, and the others within the process group's timeout. The averaging and
 compression hooks (`allreduce_hook`, `fp16_compress_hook`, `bf16_compress_hook`) shard with the
 gradients (`engine.comm.sharded_hook_dtype`); other hooks are refused.
 
@@ -62,6 +63,7 @@ from ..engine.collectives import (
     all_gather_ints,
     all_gather_objects,
 )
+from ..engine.device import host_runs_collectives
 from ..engine.reducer import Reducer
 from .zero_shards import Gathers, Piece, check_dense, clip_sharded, flat, pieces_of, set_piece_grads
 
@@ -105,6 +107,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                                "call init_process_group first or pass process_group")
         self.process_group: dist.ProcessGroup = group
         self.world_size, self.rank = self.process_group.size(), self.process_group.rank()
+        # ZeRO-1's per-step agreement is read on the host: on a device group (NCCL) a sync every
+        # step, which stops the host running ahead. There each rank checks what it knows itself,
+        # as torch's class (which checks nothing), and a rank that differs leaves the others to
+        # the process group's timeout.
+        self._agree_each_step = host_runs_collectives(group)
         self.optimizer_class, self.timeout = optimizer_class, timeout
         self.parameters_as_bucket_view = parameters_as_bucket_view  # accepted: broadcasts are flat anyway
         self._optim_defaults = defaults
@@ -328,9 +335,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         broadcasts.finish()
 
     def _check_ready_to_step(self) -> None:
-        """Refuse, on every rank alike, a step some rank is not ready for."""
-        if self.reducer is not None:
-            self._check_sharded_backward()
+        """Refuse, on every rank alike, a step some rank is not ready for (on a host group
+        without sharded gradients; otherwise on the rank that is not)."""
+        if self.reducer is not None or not self._agree_each_step:
+            self._check_own_backward()
             return
         ready = self._backward_seen
         mine = [len(self.param_groups), sum(p.numel() for g in self.param_groups for p in g["params"]), int(ready)]
@@ -348,18 +356,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 f"(of {self.world_size}): run loss.backward() before every step(), on every rank."
             )
 
-    def _check_sharded_backward(self) -> None:
-        """Sharded gradients need no agreement collective (a per-step round trip, 2-3 % of a
-        small model's step on loopback): the groups cannot change (`add_param_group` is
-        refused), and a rank without a synchronised backward knows it. It raises here; a rank
-        that did run one is then waiting in a reduction or gather this rank never joins, and
-        raises within its timeout."""
-        if self.reducer.reductions > self._syncs:  # type: ignore[union-attr]
+    def _check_own_backward(self) -> None:
+        """Without the agreement collective (sharded gradients: a per-step round trip, 2-3 % of
+        a small model's step on loopback, and the groups cannot change since `add_param_group`
+        is refused; a device group: no host read per step) a rank without a backward knows it.
+        It raises here; a rank that did run one is then waiting in a collective this rank never
+        joins, and raises within its timeout (the process group's, on a device group)."""
+        if self.reducer is not None:
+            if self.reducer.reductions > self._syncs:
+                return
+            what = ("synchronised backward", "the gradients are sharded only by a backward outside no_sync(); ")
+        elif self._backward_seen:
             return
+        else:
+            what = ("backward", "")
         raise RuntimeError(
-            f"ZeroRedundancyOptimizer.step: no synchronised backward since the last step on rank {self.rank} "
-            f"(of {self.world_size}): the gradients are sharded only by a backward outside no_sync(); "
-            "run one before every step(), on every rank."
+            f"ZeroRedundancyOptimizer.step: no {what[0]} since the last step on rank {self.rank} "
+            f"(of {self.world_size}): {what[1]}run one before every step(), on every rank."
         )
 
     # ------------------------------------------------------------------ uneven inputs
