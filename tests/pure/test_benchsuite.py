@@ -43,3 +43,22 @@ def test_the_cluster_models_have_the_gradients_they_are_named_for_and_stay_finit
 def test_a_variant_that_diverged_is_a_mismatch_not_a_match():
     same = {"a": {"gradsync": 0.0, "no overlap": 0.0}, "b": {"gradsync": math.nan}, "c": {"gradsync": 2e-3}}
     assert sorted(mismatched(same)) == ["b", "c"]  # NaN compares false both ways: counted as bad
+
+
+def test_a_paired_ratio_comes_with_a_bootstrap_interval_that_tells_noise_from_a_difference():
+    from gradsync.tools.bench import Comparison, markdown_table
+
+    rounds = [100.0 + 7.0 * math.sin(3.1 * r) for r in range(40)]  # the rounds' shared noise
+    c = Comparison(["base", "again", "slower"])
+    for r, t in enumerate(rounds):
+        c.add("base", t)
+        c.add("again", t * (1.0 + 0.01 * math.sin(1.7 * r)))  # +-1 %, no difference
+        c.add("slower", t * (1.03 + 0.01 * math.sin(2.3 * r)))  # 3 % slower, +-1 %
+    assert c.ratio_interval("base", "base") == (1.0, 1.0)
+    lo, hi = c.ratio_interval("again", "base")
+    assert lo < c.paired_ratio("again", "base") < hi and lo < 1.0 < hi
+    lo, hi = c.ratio_interval("slower", "base")
+    assert 1.0 < lo <= c.paired_ratio("slower", "base") <= hi < 1.05
+    assert c.ratio_interval("slower", "base") == (lo, hi)  # deterministic
+    table = markdown_table(c, "base", "again", "ms")
+    assert "95 % interval" in table.splitlines()[0] and f"{lo:.3f}–{hi:.3f}" in table

@@ -8,6 +8,7 @@ against a second copy of itself) that shows how much of a difference is noise.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -35,8 +36,21 @@ class Comparison:
 
     def paired_ratio(self, variant: str, baseline: str) -> float:
         """Median over rounds of variant/baseline: pairs share a round, so share its noise."""
-        pairs = zip(self.samples[variant], self.samples[baseline])
-        return statistics.median(a / b for a, b in pairs)
+        return statistics.median(self._ratios(variant, baseline))
+
+    def ratio_interval(self, variant: str, baseline: str, level: float = 0.95,
+                       resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+        """A bootstrap interval (percentile, over rounds) for `paired_ratio`: whether a ratio
+        differs from 1 by more than the rounds' own scatter, which the A/A pair's single
+        ratio cannot say. Deterministic for a given `seed`."""
+        ratios = self._ratios(variant, baseline)
+        draw = random.Random(seed).choices
+        medians = sorted(statistics.median(draw(ratios, k=len(ratios))) for _ in range(resamples))
+        tail = (1.0 - level) / 2
+        return medians[int(tail * (resamples - 1))], medians[int((1.0 - tail) * (resamples - 1))]
+
+    def _ratios(self, variant: str, baseline: str) -> list[float]:
+        return [a / b for a, b in zip(self.samples[variant], self.samples[baseline])]
 
 
 def interleave(
@@ -71,17 +85,19 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
 def markdown_table(
     comparison: Comparison, baseline: str, aa: str | None, unit: str, scale: float = 1.0
 ) -> str:
-    """Medians, interquartile spreads and paired ratios to `baseline` as a markdown table."""
+    """Medians, interquartile spreads and paired ratios to `baseline` (with their 95 %
+    bootstrap intervals) as a markdown table."""
     lines = [
-        f"| variant | median {unit} | IQR {unit} | ratio to {baseline} |",
-        "|---|---:|---:|---:|",
+        f"| variant | median {unit} | IQR {unit} | ratio to {baseline} | 95 % interval |",
+        "|---|---:|---:|---:|---:|",
     ]
     for v in comparison.variants:
         lo, hi = comparison.spread(v)
         ratio = comparison.paired_ratio(v, baseline)
+        r_lo, r_hi = comparison.ratio_interval(v, baseline)
         label = f"{v} (A/A noise)" if v == aa else v
         lines.append(
             f"| {label} | {comparison.median(v) * scale:.3f} | {lo * scale:.3f}–{hi * scale:.3f} "
-            f"| {ratio:.3f} |"
+            f"| {ratio:.3f} | {r_lo:.3f}–{r_hi:.3f} |"
         )
     return "\n".join(lines)

@@ -298,6 +298,7 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
         m: {
             "median_ms": {v: d["result"].median(v) * 1e3 for v in VARIANTS},
             "ratio_to_torch": {v: d["result"].paired_ratio(v, "torch DDP") for v in VARIANTS},
+            "ratio_interval_to_torch": {v: d["result"].ratio_interval(v, "torch DDP") for v in VARIANTS},
             "gradient_bytes": d["nbytes"],
             "allreduce_alpha_ms": d["cost"].alpha_ms,
             "allreduce_ms_per_mib": d["cost"].beta_ms_per_byte * 2**20,
