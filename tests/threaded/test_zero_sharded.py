@@ -426,3 +426,24 @@ def test_a_rank_that_skips_the_step_makes_the_other_raise_not_hang():
 
     with pytest.raises(RankError, match="rank 0"):
         run_threaded(body, 2, timeout=30)
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None], ids=["reduce_fp32", "reduce_bf16"])
+@pytest.mark.parametrize("case", ["plain", "no_sync", "overlap", "native"])
+def test_mixed_precision_shards_as_the_unsharded_wrapper_reduces(reduce_dtype, case):
+    """Mixed precision (torch's `_MixedPrecision`: bf16 compute, float32 parameters) with
+    sharded gradients: each bucket filled in bfloat16, cast to the reduce dtype and divided
+    there, reduce-scattered (all-reduced on gloo; `native`: reduce-scattered), kept as a
+    float32 shard the optimizer steps the float32 parameters with. The parameters equal the
+    unsharded wrapper's with the plain optimizer, bit for bit at 2 ranks; `.grad` is None."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    mixed = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+    batches = make_batches(STEPS, 2, per_rank=8)
+    options = dict(wrapper=GradsyncDDP, optimizer=OPTIMIZERS["adamw"],
+                   wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001}, micro=2 if case == "no_sync" else 1)
+    want = run_threaded(_train, 2, 2, batches, sharded=False, **options)[0][0]
+    assert all(p.dtype == torch.float32 for p in want.values())
+    for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, overlap=case in ("overlap", "native"),
+                               native=case == "native", **options):
+        _assert_same(got, want, what=case)

@@ -123,9 +123,11 @@ class Bucket:
             self.release()
         else:
             self.allocate()
-        # A reduce-scatter's result: this rank's slice of the summed (padded) buffer.
+        # A reduce-scatter's result: this rank's slice of the summed (padded) buffer, in the
+        # parameters' own dtype (under mixed precision the bucket's is the compute dtype): the
+        # sharded optimizer steps the parameters with views of it.
         chunk = self._wire_numel // world_size if collective == "reduce_scatter" else 0
-        self.shard = torch.zeros(chunk, dtype=self._dtype, device=self._device)
+        self.shard = torch.zeros(chunk, dtype=first.dtype, device=self._device)
         self.shard_offset = rank * chunk
         # gloo's reduce-scatter copies its input and runs 1.3-2.5x slower than its all-reduce
         # (16 MiB, 2 ranks: 24 vs 10 ms on loopback, 89 vs 70 ms at 2 Gbit/s): there the bucket
@@ -324,12 +326,12 @@ class Bucket:
 
     def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
         """Start this bucket's collective on `wire` (the payload, or buffer and tail)."""
-        if self.collective == "reduce_scatter" and not self.by_all_reduce and self._cast_wire is not None:
-            self._cast_shard = torch.empty(self.shard.numel(), dtype=self._cast_wire.dtype, device=self._device)
-            self.work = group._reduce_scatter_base(self._cast_shard, self._cast_wire,
-                                                   torch.distributed.ReduceScatterOptions())
-        elif self.collective == "reduce_scatter" and not self.by_all_reduce:
-            self.work = group._reduce_scatter_base(self.shard, self.wire, torch.distributed.ReduceScatterOptions())
+        if self.collective == "reduce_scatter" and not self.by_all_reduce:
+            source = self._cast_wire if self._cast_wire is not None else self.wire
+            target = self.shard
+            if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
+                target = self._cast_shard = torch.empty(self.shard.numel(), dtype=source.dtype, device=self._device)
+            self.work = group._reduce_scatter_base(target, source, torch.distributed.ReduceScatterOptions())
         elif self.collective == "reduce_scatter":  # `wire` without the padding: summed as DDP sums
             self.work = group.allreduce([wire])
         else:
@@ -369,6 +371,8 @@ class Bucket:
             self.payload = self.sparse_grad
         elif self.hooked:
             self.payload = self._hooked_payload(divisor)
+        elif reduce_dtype is not None and self.collective == "reduce_scatter":
+            self.payload = self._cast_payload(reduce_dtype, divisor, reciprocal=True)
         elif reduce_dtype is not None:  # into the same tensor every step, not a new one
             if self._cast is None or self._cast.dtype != reduce_dtype:
                 self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype, device=self.buffer.device)
@@ -378,18 +382,26 @@ class Bucket:
         return self.payload
 
     def _hooked_payload(self, divisor: int) -> torch.Tensor:
-        """As torch's averaging hooks: `buffer.to(dtype).div_(world_size)`, then summed. A
-        cast (padded for the reduce-scatter) replaces the buffer, which goes back at once."""
+        """As torch's averaging hooks: `buffer.to(dtype).div_(world_size)`, then summed."""
         if self._hook_dtype is None:
             return self.buffer.div_(divisor)
+        return self._cast_payload(self._hook_dtype, divisor, reciprocal=False)
+
+    def _cast_payload(self, dtype: torch.dtype, divisor: int, reciprocal: bool) -> torch.Tensor:
+        """A reduce-scatter bucket's buffer cast to `dtype` and divided there (`reciprocal`:
+        multiplied by 1/divisor, as mixed precision's all-reduce path does; else divided, as
+        torch's hooks do). The cast, padded, replaces the buffer, which goes back at once."""
         padded = self._wire_numel
         if self._pool is not None:
-            self._cast_lent = self._pool.take(padded, self._hook_dtype, self._device)
+            self._cast_lent = self._pool.take(padded, dtype, self._device)
             self._cast_wire = self._cast_lent.narrow(0, 0, padded)
         else:
-            self._cast_wire = torch.empty(padded, dtype=self._hook_dtype, device=self._device)
+            self._cast_wire = torch.empty(padded, dtype=dtype, device=self._device)
         cast = self._cast_wire.narrow(0, 0, self.numel)
-        cast.copy_(self.buffer).div_(divisor)
+        if reciprocal:
+            torch.mul(self.buffer, 1.0 / divisor, out=cast)
+        else:
+            cast.copy_(self.buffer).div_(divisor)
         if padded > self.numel:
             self._cast_wire.narrow(0, self.numel, padded - self.numel).zero_()
         if self.transient:

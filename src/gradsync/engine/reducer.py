@@ -202,19 +202,16 @@ class Reducer:
                 hook_dtype = sharded_hook_dtype(self._comm_hook[0], self._comm_hook[1], self.process_group)
             except ValueError as error:
                 raise ValueError(f"gradsync: cannot shard the gradients: {error}") from None
-        refused = [why for cond, why in (
-            (self._scale_at_launch, "mixed precision casts buckets to another reduce dtype"),
-            (any(self.expect_sparse_gradient), "some parameters get sparse gradients"),
-        ) if cond]
-        if refused:
-            raise ValueError(f"gradsync: cannot shard the gradients: {'; '.join(refused)}")
+        if any(self.expect_sparse_gradient):
+            raise ValueError("gradsync: cannot shard the gradients: some parameters get sparse gradients")
         if by_all_reduce is None:
             by_all_reduce = host_runs_collectives(self.process_group)
         transient = not self.config.gradient_as_bucket_view
         # Transient buffers are lent: as many as can be live at once (those reducing and the
         # one filling) stay warm between steps (`BufferPool`).
         keep = in_flight + 1 if in_flight is not None else 2
-        pool = BufferPool(keep=2 * keep if hook_dtype is not None else keep) if transient else None
+        casts = hook_dtype is not None or self._scale_at_launch  # a cast beside each buffer
+        pool = BufferPool(keep=2 * keep if casts else keep) if transient else None
         self._shards = Sharding(self.rank, transient, by_all_reduce, pool, hooked, hook_dtype)
         self._in_flight = in_flight
         self._needs_rebuild = False

@@ -181,7 +181,6 @@ class DistributedDataParallel(_Base):
             raise ValueError("shard_gradients: this wrapper has no parameters to synchronise")
         refused = [why for cond, why in (
             (self._auto is not None, 'bucket_cap_mb="auto" (the planner changes the layout; sharded state follows it)'),
-            (self._mixed is not None, "mixed_precision"),
             (self._delayed is not None, "delay_all_reduce_named_params"),
         ) if cond]
         if refused:
@@ -263,7 +262,11 @@ class DistributedDataParallel(_Base):
         if self.device_ids:
             inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
         if self._mixed is not None:
-            self._mixed.cast_down(sync, written_back=sync and self.reducer is not None)
+            owner = self._shard_owner()
+            if owner is not None:  # the low-precision copies are made from whole parameters:
+                owner.wait_parameters()  # no overlapped gather may land after them
+            sharded = self.reducer is not None and self.reducer.sharded
+            self._mixed.cast_down(sync, written_back=sync and self.reducer is not None, sharded=sharded)
             inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
         return inputs, kwargs, active
 
@@ -554,7 +557,7 @@ class DistributedDataParallel(_Base):
         to `Join([model, optimizer])` yourself, as with torch's class. With
         `throw_on_early_termination`, every rank raises as soon as one runs out instead.
         """
-        owner = self.reducer.shard_owner() if self.reducer is not None and self.reducer.shard_owner else None
+        owner = self._shard_owner()
         joinables: list[Joinable] = [self]
         if isinstance(owner, Joinable):  # a joined rank steps its shard too
             joinables.append(owner)
@@ -564,6 +567,11 @@ class DistributedDataParallel(_Base):
             throw_on_early_termination,
             divide_by_initial_world_size=divide_by_initial_world_size,
         )
+
+    def _shard_owner(self) -> Any:
+        """The sharded optimizer holding this wrapper's gradients (ZeRO-2), if one is alive."""
+        ref = self.reducer.shard_owner if self.reducer is not None else None
+        return ref() if ref is not None else None
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
         if self._delayed is not None or self.reducer is None:

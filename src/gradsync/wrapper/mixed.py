@@ -41,14 +41,15 @@ class MixedPrecisionParams:
                 if name not in ignored and buf.is_floating_point():
                     buf.data = buf.to(self.buffer_dtype)
 
-    def cast_down(self, sync: bool, written_back: bool = False) -> None:
+    def cast_down(self, sync: bool, written_back: bool = False, sharded: bool = False) -> None:
         """Before forward: low-precision parameters; on unsynchronised steps, set the
         full-precision gradient aside, to add this step's gradient to it in float32 later.
 
         `written_back`: the Reducer writes this backward's averages back in full precision,
         so `restore` puts back the full-precision gradient tensors as they were (the Reducer
         overwrites those it averages and leaves the rest untouched, as torch does) instead of
-        casting each low-precision gradient up only to have it overwritten."""
+        casting each low-precision gradient up only to have it overwritten. `sharded`: the
+        Reducer keeps only its shards of the averages (ZeRO-2), so `.grad` is left None."""
         if self.param_dtype is None:
             return
         self._restore_queued = False
@@ -61,7 +62,7 @@ class MixedPrecisionParams:
             p.grad = None
             p.data = p.data.to(self.param_dtype)
             if written_back:
-                self._before[id(p)] = grad
+                self._before[id(p)] = None if sharded else grad
             if grad is not None:
                 if sync:  # the reducer must see the whole accumulated gradient
                     p.grad = grad.to(self.param_dtype)
