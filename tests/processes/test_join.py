@@ -91,14 +91,19 @@ def test_throw_on_early_termination_raises_on_every_rank():
     assert "Detected at least one rank that exhausted inputs" in results[1][0]
 
 
-def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False, find_unused=False, hook=False):
+def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False, find_unused=False, hook=False,
+                       mixed=False):
     from torch.distributed.algorithms.join import Join
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
+    from torch.nn.parallel.distributed import _MixedPrecision
 
     from gradsync import ZeroRedundancyOptimizer
 
     model = seeded(MODELS["unused_branch" if find_unused else "mlp"], 0)
-    ddp = wrapper(model, find_unused_parameters=find_unused, **({"bucket_cap_mb": 0.001} if wrapper is GradsyncDDP else {}))
+    options = {"bucket_cap_mb": 0.001} if wrapper is GradsyncDDP else {}
+    if mixed:
+        options["mixed_precision"] = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    ddp = wrapper(model, find_unused_parameters=find_unused, **options)
     if hook:
         from gradsync.comm_hooks import fp16_compress_hook
 
@@ -138,6 +143,20 @@ def _zero_variants(rank, group, batches, divide, overlap, find_unused):
 
 def _hooked_variants(rank, group, batches):
     return {v: _train_zero_uneven(rank, GradsyncDDP, v, batches, True, hook=True) for v in ("plain", "zero-1", "zero-2")}
+
+
+def _mixed_variants(rank, group, batches, overlap):
+    return {v: _train_zero_uneven(rank, GradsyncDDP, v, batches, True, overlap=overlap, mixed=True)
+            for v in ("plain", "zero-2")}
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_sharded_gradients_join_uneven_inputs_under_mixed_precision(overlap):
+    # A joined rank's shadow casts its zeroed bf16 buckets to the reduce dtype as the active
+    # ranks do and keeps its float32 shard: ZeRO-2 ends with the plain optimizer's parameters.
+    for rank, got in enumerate(run_processes(_mixed_variants, 2, (5, 3), overlap, timeout=180, default_group=True)):
+        for name, value in got["plain"].items():
+            torch.testing.assert_close(got["zero-2"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}")
 
 
 def test_sharded_optimizers_join_with_a_compression_hook():
