@@ -202,8 +202,7 @@ def test_without_the_per_step_agreement_the_step_reads_nothing_on_the_host(monke
     """On a device group (NCCL: `host_runs_collectives` is False there) ZeRO-1's step runs no
     agreement collective, whose result the host would have to read every step: the same
     parameters, no tensor read on the host by gradsync, and a rank with no backward raises
-    at once while the other, waiting in a broadcast it never joins, raises within its
-    timeout."""
+    at once while the other, waiting in a broadcast it never joins, raises too."""
     from datetime import timedelta
 
     reads: list[str] = []
@@ -256,4 +255,34 @@ def test_without_the_per_step_agreement_the_step_reads_nothing_on_the_host(monke
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert "no backward since the last step on rank(s) [1]" in agreed[0][1] == agreed[1][1]
     assert "no backward since the last step on rank 1 (of 2)" in local[1][1]
-    assert "broadcast" in local[0][1] and "2 s" in local[0][1] or "0:00:02" in local[0][1], local[0][1]
+    # Rank 0 raises in the broadcast rank 1 never joins: within its 2 s timeout, or sooner when
+    # rank 1's thread has returned and its group (freed with everything else) closed the link.
+    assert "rank 0/2: broadcast of the parameters rank 0 stepped" in local[0][1], local[0][1]
+    assert any(s in local[0][1] for s in ("2 s", "0:00:02", "Connection reset", "Connection closed")), local[0][1]
+
+
+@pytest.mark.parametrize("shard_gradients", [None, False], ids=["zero2", "zero1"])
+def test_the_optimizer_and_its_wrapper_are_freed_with_the_model(shard_gradients):
+    """No reference cycle through a parameter's hooks (held on its C++ side, out of the garbage
+    collector's sight): dropping model, wrapper and optimizer frees them, buckets and shards with
+    them. It kept them, and the process group, until exit, where a gloo thread still holding a
+    tensor could then abort the process."""
+    import gc
+    import weakref
+
+    def body(rank, group):
+        model = _build("mlp")
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group,
+                                      shard_gradients=shard_gradients, lr=0.01)
+        for _ in range(2):
+            opt.zero_grad()
+            _loss(ddp(torch.ones(2, 8) * (rank + 1))).backward()
+            opt.step()
+        held = [weakref.ref(o) for o in (model, ddp, ddp.reducer, opt)]
+        assert opt.shards_gradients == (shard_gradients is None)
+        del model, ddp, opt
+        gc.collect()
+        return [ref() is None for ref in held]
+
+    assert run_threaded(body, 2, timeout=60) == [[True] * 4] * 2

@@ -123,7 +123,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if len({id(p) for p in params_all}) != len(params_all):
             raise ValueError("ZeroRedundancyOptimizer: a parameter appears twice in the parameter groups")
         self._backward_seen = False
+        # Each hook holds the optimizer weakly: a parameter's hooks live on its C++ side, out of
+        # the garbage collector's sight, so a strong reference there would keep the optimizer,
+        # its wrapper's reducer and the process group alive for as long as the parameters.
+        self._saw_backward = _SawBackward(weakref.ref(self))
         self._hooks = [p.register_post_accumulate_grad_hook(self._saw_backward) for p in params_all if p.requires_grad]
+        weakref.finalize(self, _remove_all, self._hooks)
         self._partition: list[list[list[torch.Tensor]]] = []  # [group][rank] -> parameters (ZeRO-1)
         self._loads = [0] * self.world_size
         self.overlap_param_gather = overlap_param_gather
@@ -279,9 +284,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self.optim.param_groups.append({**mine, "params": []})
 
     # ------------------------------------------------------------------ step
-
-    def _saw_backward(self, _param: torch.Tensor) -> None:
-        self._backward_seen = True
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -475,6 +477,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         owned = sum(len(part[self.rank]) for part in self._partition)
         return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
                 f"{self.world_size}, owns {owned} of {total} parameters)")
+
+
+class _SawBackward:
+    """A parameter's post-accumulate-grad hook: notes that backward ran since the last step."""
+
+    def __init__(self, owner: weakref.ref[ZeroRedundancyOptimizer]) -> None:
+        self.owner = owner
+
+    def __call__(self, _param: torch.Tensor) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._backward_seen = True
+
+
+def _remove_all(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 class _ZeroJoinHook(JoinHook):
