@@ -447,3 +447,21 @@ def test_mixed_precision_shards_as_the_unsharded_wrapper_reduces(reduce_dtype, c
     for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, overlap=case in ("overlap", "native"),
                                native=case == "native", **options):
         _assert_same(got, want, what=case)
+
+
+@pytest.mark.parametrize("native", [False, True], ids=["by_all_reduce", "native"])
+def test_mixed_precision_shards_at_three_ranks(native):
+    """Mixed precision with sharded gradients at 3 ranks, where a bucket's length is not a
+    multiple of the world size (padded shards) and the ranks' bf16 gradients are summed in
+    float32 in whichever order the collective takes: the unsharded wrapper's parameters with
+    the plain optimizer, to float32 rounding (bit for bit where the same all-reduce sums)."""
+    from torch.nn.parallel.distributed import _MixedPrecision
+
+    mixed = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    batches = make_batches(STEPS, 3, per_rank=4)
+    options = dict(wrapper=GradsyncDDP, optimizer=OPTIMIZERS["sgd"], wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001})
+    want = run_threaded(_train, 3, 3, batches, sharded=False, **options)[0][0]
+    results = run_threaded(_train, 3, 3, batches, sharded=True, native=native, **options)
+    for got, _ in results:
+        _assert_same(got, want, exact=not native, what=f"3 ranks, native={native}")
+    assert all(torch.equal(results[0][0][n], r[0][n]) for r in results[1:] for n in want)  # ranks agree
