@@ -108,7 +108,7 @@ def test_a_transient_bucket_on_a_stale_lent_buffer_zeros_its_padding_and_tail():
     for p in params:
         p.grad = torch.ones_like(p)
     bucket = Bucket(0, [0, 1], params, collective="reduce_scatter", world_size=2, transient=True,
-                    by_all_reduce=True, tail=2, pool=pool)
+                    reduce_by="all_reduce", tail=2, pool=pool)
     assert bucket.wire.numel() == 0  # nothing held until the fill
     bucket.fill(divisor=2, as_view=False)
     assert bucket.wire.tolist() == [0.5] * 5 + [0.0] * 2  # gradients / 2, then the tail zeroed

@@ -31,7 +31,7 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adam": A
 
 def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=ADAM, wrap=None,
            micro=1, clip=None, overlap=False, channels_last=False, native=False, wrapper=None,
-           hook=None, hook_late=False):
+           hook=None, hook_late=False, reduce_by=None):
     cls, kwargs = optimizer
     model = _build(model_name)
     if channels_last:
@@ -41,7 +41,9 @@ def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=
     if hook is not None and not hook_late:
         ddp.register_comm_hook(group, HOOKS[hook])
     if native:  # the device backends' way: reduce-scatter and all-gather themselves
-        ddp.shard_gradients(by_all_reduce=False)
+        ddp.shard_gradients(reduce_by="reduce_scatter")
+    elif reduce_by is not None:
+        ddp.shard_gradients(reduce_by=reduce_by)
     opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, overlap_param_gather=overlap, **kwargs)
            if sharded else cls(model.parameters(), **kwargs))
     if hook is not None and hook_late:  # registered once the gradients are sharded
@@ -185,25 +187,36 @@ def test_three_ranks_agree_with_torch(native):
     assert all(torch.equal(outs[0][0][n], o[0][n]) for o in outs for n in want)  # the ranks agree exactly
 
 
-def test_on_gloo_each_shard_is_the_unsharded_wrappers_gradient_bit_for_bit():
-    # Reduced by all-reduce, reports riding in the last bucket as unsharded: the same sums.
-    batch = make_batches(1, 3)[0]
+@pytest.mark.parametrize("reduce_by,world,exact", [("all_reduce", 3, True), ("all_to_all", 2, True),
+                                                   ("all_to_all", 3, False), (None, 2, True)])
+def test_on_gloo_each_shard_is_the_unsharded_wrappers_gradient(reduce_by, world, exact):
+    """Reduced by all-reduce (reports riding in the last bucket as unsharded): the same sums
+    at any world size. By all-to-all (gloo's default, None), each shard the ranks' parts added
+    in rank order: the same sums at 2 ranks (one addition), within rounding beyond."""
+    batch = make_batches(1, world)[0]
 
     def body(rank, group, sharded):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb_list=[0.001])  # these buckets from the start
+        if sharded:
+            ddp.shard_gradients(reduce_by=reduce_by)
+            assert ddp.reducer.shards_reduced_by == (reduce_by or "all_to_all")
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1) if sharded else None
-        _loss(ddp(_shard(batch, rank, 3))).backward()
+        _loss(ddp(_shard(batch, rank, world))).backward()
         if not sharded:
             return [p.grad.clone() for p in model.parameters()]
         opt.clip_grad_norm_(float("inf"))  # takes the shards; clips nothing
         return [(p.index, p.start, p.tensor.grad.clone()) for p in opt._pieces]
 
-    whole = run_threaded(body, 3, False)
-    for rank, pieces in enumerate(run_threaded(body, 3, True)):
+    whole = run_threaded(body, world, False)
+    for rank, pieces in enumerate(run_threaded(body, world, True)):
         assert pieces
         for index, start, grad in pieces:
-            assert torch.equal(grad.reshape(-1), whole[rank][index].reshape(-1)[start:start + grad.numel()])
+            want = whole[rank][index].reshape(-1)[start:start + grad.numel()]
+            if exact:
+                assert torch.equal(grad.reshape(-1), want)
+            else:
+                torch.testing.assert_close(grad.reshape(-1), want, rtol=1e-6, atol=1e-7)
 
 
 def test_memory_per_rank_is_the_shards_and_state_of_one_nth():
@@ -226,10 +239,12 @@ def test_memory_per_rank_is_the_shards_and_state_of_one_nth():
             _loss(ddp(torch.ones(4, 8))).backward()
             opt.step()
         # Buffers (reductions and gathers alike) are lent again, not made anew, and no more
-        # are kept than can be in flight at once: 2 reducing and one filling.
-        assert pool.allocations == made and made <= 3
+        # are kept than can be in flight at once: 2 reducing (each with the buffer its
+        # all-to-all lands in) and one filling.
+        assert ddp.reducer.shards_reduced_by == "all_to_all"
+        assert pool.allocations == made and made <= 5
         widest = max(b.shard.numel() * world for b in ddp.reducer.buckets)
-        assert pool.held_bytes <= 3 * widest * 4
+        assert pool.held_bytes <= 5 * widest * 4
         buffers = sum(b.wire.numel() for b in ddp.reducer.buckets)
         shards = sum(b.shard.numel() for b in ddp.reducer.buckets)
         state = sum(t.numel() for s in opt.optim.state.values() for t in s.values() if t.dim() > 0)
@@ -449,8 +464,8 @@ def test_mixed_precision_shards_as_the_unsharded_wrapper_reduces(reduce_dtype, c
         _assert_same(got, want, what=case)
 
 
-@pytest.mark.parametrize("native", [False, True], ids=["by_all_reduce", "native"])
-def test_mixed_precision_shards_at_three_ranks(native):
+@pytest.mark.parametrize("reduce_by", ["all_reduce", "all_to_all", "reduce_scatter"])
+def test_mixed_precision_shards_at_three_ranks(reduce_by):
     """Mixed precision with sharded gradients at 3 ranks, where a bucket's length is not a
     multiple of the world size (padded shards) and the ranks' bf16 gradients are summed in
     float32 in whichever order the collective takes: the unsharded wrapper's parameters with
@@ -461,7 +476,7 @@ def test_mixed_precision_shards_at_three_ranks(native):
     batches = make_batches(STEPS, 3, per_rank=4)
     options = dict(wrapper=GradsyncDDP, optimizer=OPTIMIZERS["sgd"], wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001})
     want = run_threaded(_train, 3, 3, batches, sharded=False, **options)[0][0]
-    results = run_threaded(_train, 3, 3, batches, sharded=True, native=native, **options)
+    results = run_threaded(_train, 3, 3, batches, sharded=True, reduce_by=reduce_by, **options)
     for got, _ in results:
-        _assert_same(got, want, exact=not native, what=f"3 ranks, native={native}")
+        _assert_same(got, want, exact=reduce_by == "all_reduce", what=f"3 ranks, {reduce_by}")
     assert all(torch.equal(results[0][0][n], r[0][n]) for r in results[1:] for n in want)  # ranks agree

@@ -25,6 +25,11 @@ from .pool import BufferPool
 __all__ = ["COLLECTIVES", "FUSED_COPY_MIN_NUMEL", "Bucket", "Sharding", "is_dense_permutation", "view_like"]
 
 COLLECTIVES = ("all_reduce", "reduce_scatter")
+# How a reduce-scatter bucket is reduced: by the backend's reduce-scatter (the device backends'),
+# by an all-to-all and a local sum in rank order (gloo's: 2-3x faster than its all-reduce or
+# reduce-scatter on 2-16 MiB, 2 ranks on loopback, and half the bytes of an all-reduce), or by
+# an all-reduce of the whole bucket, the shard copied out (the same sums as DDP's at any size).
+REDUCE_BY = ("reduce_scatter", "all_to_all", "all_reduce")
 
 # Gradients at least this large are scaled while copied into their bucket, one pass each;
 # smaller ones are copied in one batched call and scaled with the whole buffer.
@@ -37,7 +42,7 @@ class Sharding:
 
     rank: int  # whose shard each bucket keeps
     transient: bool  # a buffer only from its fill until its reduction has landed
-    by_all_reduce: bool  # reduced whole in place, the shard copied out (host backends)
+    reduce_by: str  # one of REDUCE_BY
     pool: BufferPool | None = None  # lends transient buffers (else each is allocated anew)
     # Reduced as torch's averaging hooks do (`comm.sharded_hook_dtype`): cast to `hook_dtype`
     # (None: no cast), divided there by the world size, then summed.
@@ -60,14 +65,16 @@ class Bucket:
         world_size: int = 1,
         rank: int = 0,
         transient: bool = False,
-        by_all_reduce: bool = False,
+        reduce_by: str = "reduce_scatter",
         pool: BufferPool | None = None,
         hooked: bool = False,
         hook_dtype: torch.dtype | None = None,
     ):
         if collective not in COLLECTIVES:
             raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
-        if collective == "reduce_scatter" and (sparse or (tail and not by_all_reduce)):
+        if reduce_by not in REDUCE_BY:
+            raise ValueError(f"reduce_by={reduce_by!r}: expected one of {', '.join(REDUCE_BY)}")
+        if collective == "reduce_scatter" and (sparse or (tail and reduce_by != "all_reduce")):
             raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail (unless reduced by all-reduce)")
         if transient and collective != "reduce_scatter":
             raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result is the buffer")
@@ -115,6 +122,8 @@ class Bucket:
         self._cast_wire: torch.Tensor | None = None
         self._cast_lent: torch.Tensor | None = None
         self._cast_shard: torch.Tensor | None = None
+        self._received: torch.Tensor | None = None  # all-to-all: every rank's part of this shard
+        self._received_lent: torch.Tensor | None = None
         self.views: list[torch.Tensor] = []
         # Whether some gradients are copied in at their hooks (`take_one`): a dense bucket of
         # several parameters whose buffer lives across iterations (read on the hot path).
@@ -130,9 +139,11 @@ class Bucket:
         self.shard = torch.zeros(chunk, dtype=first.dtype, device=self._device)
         self.shard_offset = rank * chunk
         # gloo's reduce-scatter copies its input and runs 1.3-2.5x slower than its all-reduce
-        # (16 MiB, 2 ranks: 24 vs 10 ms on loopback, 89 vs 70 ms at 2 Gbit/s): there the bucket
-        # is all-reduced in place and the shard copied out (`take_shard`). Same sums as DDP's.
-        self.by_all_reduce = by_all_reduce
+        # (16 MiB, 2 ranks: 24 vs 10 ms on loopback, 89 vs 70 ms at 2 Gbit/s), and its all-to-all
+        # twice as fast as that all-reduce: there each rank sends each shard to its owner and
+        # sums what it receives (`take_shard`; `REDUCE_BY`).
+        self.reduce_by = reduce_by
+        self.by_all_reduce = reduce_by == "all_reduce"
         # Per-iteration state, reset by `reset()`.
         self.pending = len(self.params)
         self.work: torch.distributed.Work | None = None
@@ -179,7 +190,10 @@ class Bucket:
         self._drop_buffer(reusable)
         if self._cast_lent is not None and reusable and self._pool is not None:
             self._pool.give(self._cast_lent)
+        if self._received_lent is not None and reusable and self._pool is not None:
+            self._pool.give(self._received_lent)
         self._cast_lent = self._cast_wire = self._cast_shard = None
+        self._received = self._received_lent = None
         self.payload = self.buffer
 
     def _drop_buffer(self, reusable: bool) -> None:
@@ -196,7 +210,7 @@ class Bucket:
     @property
     def holds_memory(self) -> bool:
         """A transient bucket between its fill and the landing of its reduction."""
-        return bool(self.views) or self._cast_wire is not None
+        return bool(self.views) or self._cast_wire is not None or self._received is not None
 
     # ------------------------------------------------------------------ filling and writing back
 
@@ -326,7 +340,11 @@ class Bucket:
 
     def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
         """Start this bucket's collective on `wire` (the payload, or buffer and tail)."""
-        if self.collective == "reduce_scatter" and not self.by_all_reduce:
+        if self.collective == "reduce_scatter" and self.reduce_by == "all_to_all":
+            source = self._cast_wire if self._cast_wire is not None else self.wire
+            self._received = self._receive_buffer(source)
+            self.work = group.alltoall_base(self._received, source, [], [], torch.distributed.AllToAllOptions())
+        elif self.collective == "reduce_scatter" and not self.by_all_reduce:
             source = self._cast_wire if self._cast_wire is not None else self.wire
             target = self.shard
             if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
@@ -337,6 +355,15 @@ class Bucket:
         else:
             self.work = group.allreduce([wire])
         return self.work
+
+    def _receive_buffer(self, source: torch.Tensor) -> torch.Tensor:
+        """Where an all-to-all lands: one shard-sized part from each rank, in rank order."""
+        if self._pool is not None:
+            self._received_lent = self._pool.take(source.numel(), source.dtype, source.device)
+            return self._received_lent.narrow(0, 0, source.numel())
+        if self._received_lent is None or self._received_lent.dtype != source.dtype:  # kept: a persistent bucket
+            self._received_lent = torch.empty(source.numel(), dtype=source.dtype, device=source.device)
+        return self._received_lent
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -349,12 +376,28 @@ class Bucket:
         """After the collective: this rank's shard of the sum (already there unless reduced by
         all-reduce, whose whole result is in the buffer)."""
         start, stop = self.shard_range
-        if self.by_all_reduce and stop > start:  # the payload: the buffer, or its cast (a hook)
+        if self._received is not None:
+            self._sum_received(self._received)
+        elif self.by_all_reduce and stop > start:  # the payload: the buffer, or its cast (a hook)
             self.shard.narrow(0, 0, stop - start).copy_(self.payload.narrow(0, start, stop - start))
         elif self._cast_shard is not None:
             self.shard.copy_(self._cast_shard)
         if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)
             self._cast_wire = self._cast_shard = None
+
+    def _sum_received(self, received: torch.Tensor) -> None:
+        """The shard: the ranks' parts added in rank order, in their dtype (as the collective
+        would sum), then taken into the shard's. At 2 ranks one addition: all-reduce's sum."""
+        parts = received.view(-1, self.shard.numel())
+        if len(parts) == 1:
+            self.shard.copy_(parts[0])
+            return
+        total = self.shard if received.dtype == self.shard.dtype else torch.empty_like(parts[0])
+        torch.add(parts[0], parts[1], out=total)
+        for part in parts[2:]:
+            total.add_(part)
+        if total is not self.shard:
+            self.shard.copy_(total)
 
     def fill_sparse(self, divisor: int) -> bool:
         """Take the sparse gradient, divided by `divisor`; False if there is none to take."""

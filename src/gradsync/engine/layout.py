@@ -37,9 +37,10 @@ def make_buckets(
     if shards is not None:
         return [
             Bucket(b, indices, params, dtype=dtype, collective="reduce_scatter", world_size=world_size,
-                   rank=shards.rank, transient=shards.transient, by_all_reduce=shards.by_all_reduce,
+                   rank=shards.rank, transient=shards.transient, reduce_by=shards.reduce_by,
                    pool=shards.pool, hooked=shards.hooked, hook_dtype=shards.hook_dtype,
-                   tail=world_size if b == last and world_size > 1 and shards.by_all_reduce and not shards.hooked else 0)
+                   tail=world_size if b == last and world_size > 1 and shards.reduce_by == "all_reduce" and not shards.hooked
+                   else 0)
             for b, indices in enumerate(layout)
         ]
     return [

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from . import layout as layouts
 from . import missing, static_graph
 from .accumulation import Reports, decode, uneven
-from .bucket import Bucket, Sharding
+from .bucket import REDUCE_BY, Bucket, Sharding
 from .bucketing import validate_bucket_indices
 from .checks import PendingFinite, check_finite, check_finite_later
 from .comm import CommHook, HookChain, check_registration, sharded_hook_dtype
@@ -182,7 +182,7 @@ class Reducer:
         self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
 
     def shard_gradients(self, layout: Sequence[Sequence[int]], in_flight: int | None = None,
-                        by_all_reduce: bool | None = None) -> None:
+                        reduce_by: str | None = None) -> None:
         """Reduce-scatter from now on, in buckets of `layout` for good: each rank keeps only its
         shard of each bucket's averaged gradients (`Bucket.shard`) and `.grad` is cleared once a
         gradient is in its bucket. Without gradient_as_bucket_view the buckets are transient:
@@ -190,8 +190,11 @@ class Reducer:
         `in_flight` no more than that many are reducing at once (backward waits for the oldest:
         memory bounded at the cost of overlap where the network is slower than backward). For a
         sharded optimizer (`gradsync.ZeroRedundancyOptimizer`); every rank must call it alike.
-        `by_all_reduce` (default: on host backends, gloo) reduces each bucket whole in place and
-        keeps the shard, where the backend's all-reduce beats its reduce-scatter (`Bucket`)."""
+        `reduce_by` (`bucket.REDUCE_BY`): "reduce_scatter" (the default on device backends),
+        "all_to_all" (the default on host backends, gloo, whose all-to-all beats its
+        reduce-scatter and all-reduce) or "all_reduce" (each bucket reduced whole, the shard
+        copied out: DDP's very sums at any world size, where all-to-all's rank-order sum
+        differs from gloo's ring in the last bit beyond 2 ranks)."""
         if in_flight is not None and in_flight < 1:
             raise ValueError(f"shard_gradients(in_flight={in_flight}): expected at least 1, or None for no limit")
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
@@ -204,15 +207,18 @@ class Reducer:
                 raise ValueError(f"gradsync: cannot shard the gradients: {error}") from None
         if any(self.expect_sparse_gradient):
             raise ValueError("gradsync: cannot shard the gradients: some parameters get sparse gradients")
-        if by_all_reduce is None:
-            by_all_reduce = host_runs_collectives(self.process_group)
+        if reduce_by is None:
+            reduce_by = "all_to_all" if host_runs_collectives(self.process_group) else "reduce_scatter"
+        if reduce_by not in REDUCE_BY:
+            raise ValueError(f"shard_gradients(reduce_by={reduce_by!r}): expected one of {', '.join(REDUCE_BY)}")
         transient = not self.config.gradient_as_bucket_view
         # Transient buffers are lent: as many as can be live at once (those reducing and the
         # one filling) stay warm between steps (`BufferPool`).
         keep = in_flight + 1 if in_flight is not None else 2
         casts = hook_dtype is not None or self._scale_at_launch  # a cast beside each buffer
-        pool = BufferPool(keep=2 * keep if casts else keep) if transient else None
-        self._shards = Sharding(self.rank, transient, by_all_reduce, pool, hooked, hook_dtype)
+        per_bucket = (2 if casts else 1) + (reduce_by == "all_to_all")  # a cast, a receive buffer
+        pool = BufferPool(keep=per_bucket * keep) if transient else None
+        self._shards = Sharding(self.rank, transient, reduce_by, pool, hooked, hook_dtype)
         self._in_flight = in_flight
         self._needs_rebuild = False
         self._install_buckets(validate_bucket_indices(layout, self.params, self.names))
@@ -229,9 +235,9 @@ class Reducer:
         return self._shards.pool if self._shards is not None else None
 
     @property
-    def shards_by_all_reduce(self) -> bool:
-        """Sharded, each bucket reduced whole by all-reduce (the host backends' way)."""
-        return self._shards is not None and self._shards.by_all_reduce
+    def shards_reduced_by(self) -> str | None:
+        """How sharded buckets are reduced (`bucket.REDUCE_BY`); None when not sharded."""
+        return self._shards.reduce_by if self._shards is not None else None
 
     @property
     def rebuilt(self) -> bool:

@@ -171,7 +171,7 @@ class DistributedDataParallel(_Base):
         reducer.wrapper = weakref.ref(self)
         return reducer
 
-    def shard_gradients(self, in_flight: int | None = None, by_all_reduce: bool | None = None) -> Reducer:
+    def shard_gradients(self, in_flight: int | None = None, reduce_by: str | None = None) -> Reducer:
         """Reduce-scatter the gradients in buckets capped at `bucket_cap_mb`, in reverse
         definition order, for good (gradsync.ZeroRedundancyOptimizer calls this when it holds
         this wrapper's parameters): each rank keeps its shard of each bucket's averaged
@@ -192,7 +192,7 @@ class DistributedDataParallel(_Base):
         if not self.reducer.sharded:
             params = [p for _, p in self._named_params]
             layout, _ = assign_buckets(params, self._limits[0], [False] * len(params))
-            self.reducer.shard_gradients(list(reversed(layout)), in_flight, by_all_reduce)
+            self.reducer.shard_gradients(list(reversed(layout)), in_flight, reduce_by)
         return self.reducer
 
     def _install_guards(self) -> None:

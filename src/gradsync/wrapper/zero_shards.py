@@ -111,9 +111,10 @@ class Gathers:
         # part is what its optimizer stepped, in place), as (before, after) the slice.
         self._others = [_outside(bucket) for bucket in self.buckets]
         # gloo's all-gather copies its output and is slower than one broadcast per rank (16 MiB,
-        # 2 ranks: 18 vs 5 ms on loopback, 55 vs 40 ms at 2 Gbit/s): where the buckets were
-        # all-reduced (host backends) the slices are broadcast; device backends all-gather.
-        self._by_broadcasts = reducer.shards_by_all_reduce
+        # 2 ranks: 18 vs 5 ms on loopback, 55 vs 40 ms at 2 Gbit/s): where the buckets were not
+        # reduce-scattered by the backend (host backends) the slices are broadcast; device
+        # backends all-gather.
+        self._by_broadcasts = reducer.shards_reduced_by != "reduce_scatter"
         # Gather buffers are borrowed from the reducer's pool: the buckets' buffers are idle
         # from the end of backward to the next fill, which is when parameters are gathered.
         self._pool = reducer.buffer_pool or BufferPool(keep=2)
