@@ -145,7 +145,6 @@ class Bucket:
         # twice as fast as that all-reduce: there each rank sends each shard to its owner and
         # sums what it receives (`take_shard`; `REDUCE_BY`).
         self.reduce_by = reduce_by
-        self.by_all_reduce = reduce_by == "all_reduce"
         # Per-iteration state, reset by `reset()`.
         self.pending = len(self.params)
         self.work: torch.distributed.Work | None = None
@@ -157,6 +156,11 @@ class Bucket:
         self.hook_error: Exception | None = None
         self.stream: Any = None  # on a GPU: the stream its fill was queued on
         self._cast: torch.Tensor | None = None  # the buffer in the reduce dtype (mixed precision)
+
+    @property
+    def by_all_reduce(self) -> bool:
+        """A reduce-scatter bucket reduced whole by all-reduce, its shard copied out."""
+        return self.reduce_by == "all_reduce"
 
     @property
     def nbytes(self) -> int:
@@ -342,18 +346,17 @@ class Bucket:
 
     def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
         """Start this bucket's collective on `wire` (the payload, or buffer and tail)."""
-        if self.collective == "reduce_scatter" and self.reduce_by == "all_to_all":
-            self.work = self._all_to_all(group, self._cast_wire if self._cast_wire is not None else self.wire)
-        elif self.collective == "reduce_scatter" and not self.by_all_reduce:
-            source = self._cast_wire if self._cast_wire is not None else self.wire
+        if self.collective == "all_reduce" or self.by_all_reduce:  # sharded: `wire` unpadded, summed as DDP sums
+            self.work = group.allreduce([wire])
+            return self.work
+        source = self._cast_wire if self._cast_wire is not None else self.wire
+        if self.reduce_by == "all_to_all":
+            self.work = self._all_to_all(group, source)
+        else:
             target = self.shard
             if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
                 target = self._cast_shard = torch.empty(self.shard.numel(), dtype=source.dtype, device=self._device)
             self.work = group._reduce_scatter_base(target, source, torch.distributed.ReduceScatterOptions())
-        elif self.collective == "reduce_scatter":  # `wire` without the padding: summed as DDP sums
-            self.work = group.allreduce([wire])
-        else:
-            self.work = group.allreduce([wire])
         return self.work
 
     def _all_to_all(self, group: torch.distributed.ProcessGroup, source: torch.Tensor) -> torch.distributed.Work:

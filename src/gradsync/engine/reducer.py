@@ -28,6 +28,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -113,7 +114,7 @@ class Reducer:
         self._clock = _recording_clock(self.config, self._device_clock)
         self._defer = _defers_reads(self.config, process_group)
         self._deferred: deque[tuple[int, HostRead]] = deque()  # (iteration, its reports)
-        self._finite: deque[PendingFinite] = deque()  # deferred finite checks, one per bucket
+        self._finite: deque[tuple[int, PendingFinite]] = deque()  # deferred finite checks, one per bucket
         # Called with (rank, timeline) after every synchronised iteration (the wrapper logs
         # per-iteration stats through one at GRADSYNC_DEBUG=DETAIL).
         self.iteration_listeners: list[Callable[[int, IterationTimeline], None]] = []
@@ -436,7 +437,7 @@ class Reducer:
         if not self._defer:
             check_finite(grads, names, self.rank, self.iteration)
         elif (pending := check_finite_later(grads, names, self.rank, self.iteration)) is not None:
-            self._finite.append(pending)  # read once landed (`_check_deferred`)
+            self._finite.append((self.iteration, pending))  # read once landed (`_check_deferred`)
 
     def _fill_divisor(self) -> int:
         # A communication hook averages itself (torch's protocol); mixed precision scales in the
@@ -674,30 +675,31 @@ class Reducer:
         """Read the reports of earlier iterations that have landed (asking, not waiting), and
         those of the iteration before last in any case; raise what they show. The same for
         the deferred finite checks' norms."""
-        while self._finite:
-            finite = self._finite[0]
-            if finite.iteration >= self.iteration and not finite.ready():
-                break
-            self._finite.popleft()
-            try:
-                finite.check()
-            except GradSyncError:
-                self._finite.clear()
-                raise
-        while self._deferred:
-            iteration, pending = self._deferred[0]
+        self._drain(self._finite, lambda _, finite: finite.check())
+        self._drain(self._deferred, self._check_reports_of)
+
+    def _drain(self, queue: deque, check: Callable[[int, Any], None]) -> None:
+        """Check, oldest first, the (iteration, pending read) entries of `queue` that have
+        landed or are from before this iteration; after one raises, drop the rest."""
+        while queue:
+            iteration, pending = queue[0]
             if iteration >= self.iteration and not pending.ready():
                 return
-            self._deferred.popleft()
-            reports = decode(pending.get(), torch.int64)
-            elsewhere = [r for r, report in enumerate(reports) if report.missing and r != self.rank]
-            if elsewhere:
-                self._deferred.clear()
-                raise GradSyncError(missing_elsewhere_message(elsewhere, iteration, self.rank))
-            counts = uneven(reports) if self.config.check_accumulation else None
-            if counts is not None:
-                self._deferred.clear()
-                raise GradSyncError(uneven_accumulation_message(counts, iteration))
+            queue.popleft()
+            try:
+                check(iteration, pending)
+            except GradSyncError:
+                queue.clear()
+                raise
+
+    def _check_reports_of(self, iteration: int, pending: HostRead) -> None:
+        reports = decode(pending.get(), torch.int64)
+        elsewhere = [r for r, report in enumerate(reports) if report.missing and r != self.rank]
+        if elsewhere:
+            raise GradSyncError(missing_elsewhere_message(elsewhere, iteration, self.rank))
+        counts = uneven(reports) if self.config.check_accumulation else None
+        if counts is not None:
+            raise GradSyncError(uneven_accumulation_message(counts, iteration))
 
     def _reports_ride_along(self) -> bool:
         # Without a hook each rank's report rides after the last bucket's gradients in its own

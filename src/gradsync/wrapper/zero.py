@@ -128,7 +128,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # the garbage collector's sight, so a strong reference there would keep the optimizer,
         # its wrapper's reducer and the process group alive for as long as the parameters.
         self._saw_backward = _SawBackward(weakref.ref(self))
-        self._hooks = [p.register_post_accumulate_grad_hook(self._saw_backward) for p in params_all if p.requires_grad]
+        self._hooks: list[Any] = []
         weakref.finalize(self, _remove_all, self._hooks)
         self._partition: list[list[list[torch.Tensor]]] = []  # [group][rank] -> parameters (ZeRO-1)
         self._loads = [0] * self.world_size
@@ -144,6 +144,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             for g in self.param_groups:
                 self._partition.append(self._split(g["params"]))
+            # ZeRO-1 notes each backward with a hook per parameter; ZeRO-2 counts the
+            # reducer's synchronised backwards instead, and needs none on its hot path.
+            self._hooks += [p.register_post_accumulate_grad_hook(self._saw_backward) for p in params_all if p.requires_grad]
         # The reducer whose count of synchronised backwards a joined rank steps by (`_joined_step`).
         self._synced_by = self.reducer or _reducer_of(params_all)
         self._syncs = self._synced_by.reductions if self._synced_by is not None else 0
