@@ -281,6 +281,7 @@ def test_the_optimizer_and_its_wrapper_are_freed_with_the_model(shard_gradients)
             opt.step()
         held = [weakref.ref(o) for o in (model, ddp, ddp.reducer, opt)]
         assert opt.shards_gradients == (shard_gradients is None)
+        assert bool(opt._hooks) == (shard_gradients is False)  # ZeRO-2: no hook per parameter per step
         del model, ddp, opt
         gc.collect()
         return [ref() is None for ref in held]
