@@ -68,6 +68,7 @@ class Case:
     broadcast_buffers: bool
     steps: int
     zero: bool = False  # gradsync's side steps a ZeroRedundancyOptimizer with sharded gradients
+    inside: bool = False  # ... inside backward (overlap_with_ddp=True)
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -116,7 +117,8 @@ class Case:
         # compression ones (the bf16 case is a wrapper, unknown to them); they never accumulate
         # by the flag alone: the step needs a synchronised backward, the last micro-step's.
         shardable = hook in ("none", "torch_allreduce", "torch_fp16", "gradsync_fp16")
-        return dataclasses.replace(case, zero=shardable and not sparse and rng.random() < 0.6)
+        zero = shardable and not sparse and rng.random() < 0.6
+        return dataclasses.replace(case, zero=zero, inside=zero and rng.random() < 0.4)
 
     def torch_kwargs(self) -> dict[str, Any]:
         """torch's DDP for the same case. Its static_graph fails an internal assert on
@@ -246,7 +248,8 @@ def train(wrapper_cls: type, rank: int, group: Any, case: Case, batches: list[to
     cls, defaults = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}) if case.optimizer == "sgd" else (
         torch.optim.Adam, {"lr": ADAM_LR})
     sharded = case.zero and wrapper_cls is not TorchDDP
-    opt: torch.optim.Optimizer = (gradsync.ZeroRedundancyOptimizer(params, cls, process_group=group, **defaults)
+    opt: torch.optim.Optimizer = (gradsync.ZeroRedundancyOptimizer(params, cls, process_group=group,
+                                                                   overlap_with_ddp=case.inside, **defaults)
                                   if sharded else cls(params, **defaults))
     ws = group.size()
     grads = []

@@ -24,7 +24,11 @@ from .wrapper.ddp import DistributedDataParallel, exclude_from_sync
 from .wrapper.guards import ParameterDivergenceError
 from .wrapper.launch import init_process_group
 from .wrapper.replace import TorchDDPReplacement, patch_torch_ddp
-from .wrapper.zero import ZeroRedundancyOptimizer
+from .wrapper.zero import (
+    ZeroRedundancyOptimizer,
+    hook_with_zero_step,
+    hook_with_zero_step_interleaved,
+)
 
 __all__ = [
     "BucketStats",
@@ -45,6 +49,8 @@ __all__ = [
     "TorchDDPReplacement",
     "compute_bucket_assignment_by_size",
     "exclude_from_sync",
+    "hook_with_zero_step",
+    "hook_with_zero_step_interleaved",
     "init_process_group",
     "patch_torch_ddp",
 ]

@@ -92,7 +92,7 @@ def test_throw_on_early_termination_raises_on_every_rank():
 
 
 def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False, find_unused=False, hook=False,
-                       mixed=False):
+                       mixed=False, inside=False):
     from torch.distributed.algorithms.join import Join
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel.distributed import _MixedPrecision
@@ -115,7 +115,7 @@ def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False,
         opt = TorchZero(model.parameters(), torch.optim.Adam, **kwargs)
     else:
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, shard_gradients=optimizer == "zero-2",
-                                      overlap_param_gather=overlap, **kwargs)
+                                      overlap_param_gather=overlap, overlap_with_ddp=inside, **kwargs)
     g = torch.Generator().manual_seed(rank)
     data = [torch.randn(4, 8, generator=g) for _ in range(batches[rank])]
     joined = (ddp.join(divide_by_initial_world_size=divide) if optimizer in ("plain", "zero-2")  # ZeRO-2 joins with it
@@ -148,6 +148,24 @@ def _hooked_variants(rank, group, batches):
 def _mixed_variants(rank, group, batches, overlap):
     return {v: _train_zero_uneven(rank, GradsyncDDP, v, batches, True, overlap=overlap, mixed=True)
             for v in ("plain", "zero-2")}
+
+
+def _inside_variants(rank, group, batches):
+    return {f"{v} {mixed}": _train_zero_uneven(rank, GradsyncDDP, v, batches, True, mixed=mixed == "mixed",
+                                               inside=v != "plain", overlap=v == "zero-2")
+            for v in ("plain", "zero-1", "zero-2") for mixed in ("fp32", "mixed")}
+
+
+def test_optimizers_stepping_inside_backward_join_uneven_inputs():
+    # overlap_with_ddp: the ranks still training step inside backward (after the wrapper's
+    # mixed-precision restore), a joined rank through its join hook, in the same order of
+    # collectives: the plain optimizer's parameters, ZeRO-1 and ZeRO-2, float32 and bf16.
+    for rank, got in enumerate(run_processes(_inside_variants, 2, (5, 3), timeout=180, default_group=True)):
+        for mixed in ("fp32", "mixed"):
+            for variant in ("zero-1", "zero-2"):
+                for name, value in got[f"plain {mixed}"].items():
+                    torch.testing.assert_close(got[f"{variant} {mixed}"][name], value, rtol=0, atol=0,
+                                               msg=f"rank {rank} {variant} {mixed} {name}")
 
 
 @pytest.mark.parametrize("overlap", [False, True])

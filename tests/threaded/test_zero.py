@@ -27,16 +27,20 @@ OPTIMIZERS = {
 }
 
 
-def _train(rank, group, model_name, optimizer, sharded, wrapper, batches, world):
+def _train(rank, group, model_name, optimizer, sharded, wrapper, batches, world, inside=False):
     cls, kwargs = OPTIMIZERS[optimizer]
     model = _build(model_name)
     ddp = (GradsyncDDP if wrapper == "gradsync" else TorchDDP)(model, process_group=group)
-    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, shard_gradients=False, **kwargs) if sharded
+    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, shard_gradients=False,
+                                   overlap_with_ddp=inside, **kwargs) if sharded
            else cls(model.parameters(), **kwargs))
     schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # writes into param_groups
     for batch in batches:
         opt.zero_grad()
+        before = [p.detach().clone() for p in model.parameters()]
         _loss(ddp(_shard(batch, rank, world))).backward()
+        if inside:  # stepped and broadcast before backward returned
+            assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         opt.step()
         schedule.step()
     state = sum(t.numel() for s in (opt.optim.state.values() if sharded and opt.optim else opt.state.values())
@@ -63,6 +67,19 @@ def test_sharded_state_gives_the_unsharded_optimizers_parameters_bit_for_bit(opt
     full, sizes = plain[0][1], [p.numel() for p in _build("mlp").parameters()]
     per_element = full // sum(sizes)  # state tensors per parameter element: 1 for SGD, 2 for Adam
     assert sum(states) == full and max(states) <= full / world + per_element * max(sizes)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_overlap_with_ddp_steps_zero_1_inside_backward_bit_for_bit(optimizer, world):
+    # Each owner steps and broadcasts inside the gradsync wrapper's backward, the LR schedule
+    # read from the groups at each step: the plain optimizer's parameters, bit for bit.
+    batches = make_batches(STEPS, world)
+    plain = run_threaded(_train, world, "mlp", optimizer, False, "gradsync", batches, world)
+    inside = run_threaded(_train, world, "mlp", optimizer, True, "gradsync", batches, world, inside=True)
+    for (params, _), (ref, _) in zip(inside, plain):
+        for name in ref:
+            assert torch.equal(params[name], ref[name]), name
 
 
 def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_world_size():

@@ -31,7 +31,7 @@ OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adam": A
 
 def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=ADAM, wrap=None,
            micro=1, clip=None, overlap=False, channels_last=False, native=False, wrapper=None,
-           hook=None, hook_late=False, reduce_by=None):
+           hook=None, hook_late=False, reduce_by=None, inside=False, call_step=True):
     cls, kwargs = optimizer
     model = _build(model_name)
     if channels_last:
@@ -44,7 +44,8 @@ def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=
         ddp.shard_gradients(reduce_by="reduce_scatter")
     elif reduce_by is not None:
         ddp.shard_gradients(reduce_by=reduce_by)
-    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, overlap_param_gather=overlap, **kwargs)
+    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, overlap_param_gather=overlap,
+                                   overlap_with_ddp=inside, **kwargs)
            if sharded else cls(model.parameters(), **kwargs))
     if hook is not None and hook_late:  # registered once the gradients are sharded
         ddp.register_comm_hook(group, HOOKS[hook])
@@ -63,7 +64,10 @@ def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=
             norm = (opt.clip_grad_norm_(clip) if sharded
                     else torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
             norms.append(float(norm))
-        opt.step()
+        if inside and not overlap:  # stepped, and gathered, before backward returned
+            assert not opt._gathers.pending and opt._syncs == ddp.reducer.reductions
+        if call_step:
+            opt.step()
         if overlap:  # the other ranks' parts arrive during the next forward
             assert opt._gathers.pending
     if sharded:
@@ -370,6 +374,87 @@ def test_bad_input_is_refused_before_any_collective():
         return repr(opt)
 
     assert all("gradients sharded" in r for r in run_threaded(body, 2))
+
+
+@pytest.mark.parametrize("case", ["defaults", "without step()", "overlapped gathers", "no_sync", "find_unused",
+                                  "static_graph", "bf16 hook", "bucket views"])
+def test_overlap_with_ddp_steps_inside_backward_with_torch_ddps_results(case):
+    # The step runs at the end of the synchronised backward: the same parameters as torch's
+    # DDP with the plain optimizer, bit for bit, whether the loop calls step() or not.
+    batches = make_batches(STEPS, 2, per_rank=8)
+    options = {
+        "defaults": {}, "without step()": dict(call_step=False), "overlapped gathers": dict(overlap=True),
+        "no_sync": dict(micro=2), "find_unused": dict(model_name="unused_branch", wrap={"find_unused_parameters": True}),
+        "static_graph": dict(model_name="unused_branch", wrap={"static_graph": True}),
+        "bf16 hook": dict(hook="bf16", wrapper=GradsyncDDP), "bucket views": dict(wrap={"gradient_as_bucket_view": True}),
+    }[case]
+    reference = {k: v for k, v in options.items() if k in ("micro", "model_name", "hook", "wrapper")}
+    if case in ("find_unused", "static_graph"):
+        reference["wrap"] = options["wrap"]
+    want = run_threaded(_train, 2, 2, batches, sharded=False, **reference)[0][0]
+    options.setdefault("wrap", {}).setdefault("bucket_cap_mb", 0.001)
+    options.pop("wrapper", None)
+    for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, inside=True, **options):
+        _assert_same(got, want, what=case)
+
+
+def test_torch_style_overlap_with_ddp_registers_the_hook_and_never_calls_step():
+    # Code ported from torch: hook_with_zero_step(...) registered, no step() in the loop.
+    from gradsync import hook_with_zero_step, hook_with_zero_step_interleaved
+
+    def body(rank, group, batches, style):
+        model = _build("mlp")
+        if style == "torch":
+            ddp, opt = TorchDDP(model, process_group=group), torch.optim.Adam(model.parameters(), lr=0.01)
+        else:
+            ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group,
+                                          overlap_with_ddp=True, lr=0.01)
+            wrap = hook_with_zero_step if style == "hook" else hook_with_zero_step_interleaved
+            ddp.register_comm_hook(group, wrap(default_hooks.allreduce_hook, ddp, opt, shard_buckets=True))
+        for batch in batches:
+            opt.zero_grad()
+            _loss(ddp(_shard(batch, rank, 2))).backward()
+            if style == "torch":
+                opt.step()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    batches = make_batches(STEPS, 2)
+    want = run_threaded(body, 2, batches, "torch")[0]
+    for style in ("hook", "interleaved"):
+        for got in run_threaded(body, 2, batches, style):
+            _assert_same(got, want, what=style)
+
+
+def test_overlap_with_ddp_refuses_what_needs_a_moment_between_backward_and_step():
+    from gradsync import hook_with_zero_step
+
+    def body(rank, group):
+        model = _build("mlp")
+        with pytest.raises(ValueError, match=r"overlap_with_ddp=True\) steps inside the backward"):
+            ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                    overlap_with_ddp=True, lr=0.1)  # no gradsync wrapper
+        torch_ddp = TorchDDP(_build("mlp"), process_group=group)
+        with pytest.raises(ValueError, match="use torch's class"):
+            ZeroRedundancyOptimizer(torch_ddp.parameters(), torch.optim.SGD, process_group=group,
+                                    overlap_with_ddp=True, lr=0.1)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                      overlap_with_ddp=True, lr=0.1)
+        other = GradsyncDDP(_build("mlp"), process_group=group)
+        plain = ZeroRedundancyOptimizer(other.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(ValueError, match="overlap_with_ddp=False"):
+            hook_with_zero_step(default_hooks.allreduce_hook, other, plain)
+        with pytest.raises(ValueError, match="not this wrapper's"):
+            hook_with_zero_step(default_hooks.allreduce_hook, other, opt)
+        _loss(ddp(torch.ones(2, 8))).backward()
+        with pytest.raises(RuntimeError, match="no moment to clip in"):
+            opt.clip_grad_norm_(1.0)
+        with pytest.raises(ValueError, match="closure"):
+            opt.step(lambda: 0.0)
+        return opt.step()
+
+    assert run_threaded(body, 2) == [None, None]
 
 
 def test_overlapped_gathers_start_with_the_bucket_the_next_forward_needs_first():

@@ -25,13 +25,14 @@ import functools
 import logging
 import time
 import weakref
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 
 from . import layout as layouts
 from . import missing, static_graph
@@ -128,6 +129,7 @@ class Reducer:
         self.reductions = 0  # synchronised iterations finished (a sharded optimizer counts them)
         self.last_used: list[int] | None = None  # the used map they were written back with
         self.shard_owner: Callable[[], object] | None = None  # the sharded optimizer's weak reference
+        self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # `register_finish_hook`
         self._install_buckets(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
             self.config.static_graph or not self._find_unused
@@ -567,6 +569,17 @@ class Reducer:
             self._used.clear()
             self._clear_reduction()
             self._end_queued = True  # until the next iteration: nothing more to finish
+        for hook in list(self._finish_hooks.values()):
+            hook()
+
+    def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """Call `hook()` each time a synchronised backward has been finished here: every
+        bucket landed, the reports checked, the averages written back (or in the shards). Not
+        after a joined rank's shadow iteration, whose joinables are called by `Join` instead.
+        A sharded optimizer stepping inside backward (`overlap_with_ddp`) is the one user."""
+        handle = RemovableHandle(self._finish_hooks)
+        self._finish_hooks[handle.id] = hook
+        return handle
 
     def _write_back_with_used_map(self) -> list[int] | None:
         """Wait for every bucket and the used map, then write back what some rank used."""

@@ -39,6 +39,16 @@ no backward raises at once, and the others within the process group's timeout. T
 compression hooks (`allreduce_hook`, `fp16_compress_hook`, `bf16_compress_hook`) shard with the
 gradients (`engine.comm.sharded_hook_dtype`); other hooks are refused.
 
+`overlap_with_ddp=True` (over a gradsync wrapper, ZeRO-1 or ZeRO-2) runs the step inside
+backward, as torch's keyword does: as soon as the wrapper has finished the synchronised
+backward (every bucket landed and checked: `Reducer.register_finish_hook`), so
+`loss.backward()` returns with the parameters stepped (with `overlap_param_gather`, their other
+ranks' parts still arriving) and `step()` does nothing; a loop that calls it anyway is the
+same loop. Unlike torch's form it steps from the first iteration (torch's skips its first
+two or three while it learns DDP's buckets), it runs on gloo too, and it needs no comm hook;
+`hook_with_zero_step` returns the hook it is given, for code ported from torch. There is no
+moment between backward and the step, so no clipping and no `GradScaler`.
+
 It is a `Joinable`, as torch's class, for uneven inputs: `Join([model, optimizer])` (under
 ZeRO-2 `model.join()` brings it in) keeps a rank that has run out of data stepping its share
 after each synchronised iteration of the others (`join_hook`).
@@ -68,7 +78,7 @@ from ..engine.device import host_runs_collectives
 from ..engine.reducer import Reducer
 from .zero_shards import Gathers, Piece, check_dense, clip_sharded, flat, pieces_of, set_piece_grads
 
-__all__ = ["ZeroRedundancyOptimizer"]
+__all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -93,12 +103,6 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         buckets_in_flight: int | None = 2,
         **defaults: Any,
     ) -> None:
-        if overlap_with_ddp:
-            raise ValueError(
-                "gradsync.ZeroRedundancyOptimizer(overlap_with_ddp=True): torch's form runs the step "
-                "inside a DDP comm hook; gradsync's is not built yet. Leave overlap_with_ddp out: "
-                "the results are the same, the step runs after backward."
-            )
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
             raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
         self._ready = False
@@ -123,6 +127,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         params_all = [p for g in self.param_groups for p in g["params"]]
         if len({id(p) for p in params_all}) != len(params_all):
             raise ValueError("ZeroRedundancyOptimizer: a parameter appears twice in the parameter groups")
+        self.overlap_with_ddp = overlap_with_ddp
+        if overlap_with_ddp and _reducer_of(params_all) is None:
+            raise ValueError(
+                "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside the backward of the "
+                "gradsync.DistributedDataParallel whose parameters it holds: its trainable parameters must "
+                "all be one live gradsync wrapper's (wrap the model with gradsync.DistributedDataParallel "
+                "first; over torch's DDP use torch's class and its ddp_zero_hook), or leave overlap_with_ddp out"
+            )
         self._backward_seen = False
         # Each hook holds the optimizer weakly: a parameter's hooks live on its C++ side, out of
         # the garbage collector's sight, so a strong reference there would keep the optimizer,
@@ -150,6 +162,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # The reducer whose count of synchronised backwards a joined rank steps by (`_joined_step`).
         self._synced_by = self.reducer or _reducer_of(params_all)
         self._syncs = self._synced_by.reductions if self._synced_by is not None else 0
+        if overlap_with_ddp:
+            assert self._synced_by is not None
+            self._hooks.append(self._synced_by.register_finish_hook(_StepInBackward(weakref.ref(self))))
         self.optim: Optimizer | None = None
         self._build_local_optimizer()
         Joinable.__init__(self)
@@ -202,6 +217,12 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """`torch.nn.utils.clip_grad_norm_` for this optimizer's parameters, on every rank
         (call it between backward and `step()`): with sharded gradients the norm is reduced
         from the shards' norms. Returns the total norm."""
+        if self.overlap_with_ddp:
+            raise RuntimeError(
+                "ZeroRedundancyOptimizer.clip_grad_norm_ with overlap_with_ddp=True: the step has already run, "
+                "inside backward, so there is no moment to clip in; build the optimizer without "
+                "overlap_with_ddp to clip by the global norm"
+            )
         if self.reducer is None:
             params = [p for g in self.param_groups for p in g["params"]]
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
@@ -291,12 +312,25 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        """Step the owned parameters, then broadcast every owner's parameters to the others."""
+        """Step the owned parameters, then broadcast every owner's parameters to the others.
+        With `overlap_with_ddp` the step has run inside backward already: nothing to do."""
         Join.notify_join_context(self)  # as torch's class: when it is the first joinable
+        if self.overlap_with_ddp:
+            if closure is not None:
+                raise ValueError(
+                    "ZeroRedundancyOptimizer.step(closure) with overlap_with_ddp=True: the step runs inside "
+                    "backward, where a closure cannot re-evaluate the model; build it without overlap_with_ddp"
+                )
+            return None
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._step_now()
+        return loss
+
+    @torch.no_grad()
+    def _step_now(self) -> None:
         if self._gathers is not None:
             self._gathers.finish_all()  # a step without a forward since the last one
         self._check_ready_to_step()
@@ -312,11 +346,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                         local[key] = value
         if self._gathers is not None:
             self._step_and_gather(self._gathers)
-            return loss
+            return
         if self.optim is not None:
             self.optim.step()
         self._broadcast_parameters()
-        return loss
 
     def _step_and_gather(self, gathers: Gathers) -> None:
         """Step the slices, then gather them back in the order the next forward needs them.
@@ -408,7 +441,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._synced_by is not None and self._synced_by.reductions == self._syncs:
             return
         self._backward_seen = True  # its backward was the shadow iteration
-        self.step()
+        self._step_now()
         if self._gathers is not None:
             self._gathers.finish_all()  # no forward of its own will
 
@@ -481,6 +514,47 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         owned = sum(len(part[self.rank]) for part in self._partition)
         return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
                 f"{self.world_size}, owns {owned} of {total} parameters)")
+
+
+def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer,
+                        shard_buckets: bool = False) -> Callable[..., Any]:
+    """torch's `ddp_zero_hook.hook_with_zero_step`, for code ported from torch: checks that
+    `zero` steps inside `ddp`'s backward (`overlap_with_ddp=True` over that gradsync wrapper)
+    and returns `hook` itself, to register as usual. gradsync's optimizer steps inside backward
+    without any hook's help; `shard_buckets` is accepted (ZeRO-2 shards every bucket anyway)."""
+    del shard_buckets
+    if not isinstance(zero, ZeroRedundancyOptimizer) or not zero.overlap_with_ddp:
+        raise ValueError(
+            "hook_with_zero_step: the optimizer must be a gradsync.ZeroRedundancyOptimizer constructed with "
+            f"overlap_with_ddp=True, got {type(zero).__name__}"
+            f"{'' if not isinstance(zero, ZeroRedundancyOptimizer) else ' with overlap_with_ddp=False'}"
+        )
+    if zero._synced_by is not getattr(ddp, "reducer", None):
+        raise ValueError(
+            "hook_with_zero_step: the optimizer's parameters are not this wrapper's; pass the "
+            "gradsync.DistributedDataParallel that holds them"
+        )
+    return hook
+
+
+def hook_with_zero_step_interleaved(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer,
+                                    shard_buckets: bool = False) -> Callable[..., Any]:
+    """torch's interleaved variant; gradsync's step is the same either way (`hook_with_zero_step`)."""
+    return hook_with_zero_step(hook, ddp, zero, shard_buckets)
+
+
+class _StepInBackward:
+    """The reducer's finish hook under `overlap_with_ddp`: the step, inside backward, as soon as
+    the synchronised iteration is finished (torch's hook steps there too, in the last bucket's
+    hook). The wrapper's mixed-precision restore has run by then: it is queued first."""
+
+    def __init__(self, owner: weakref.ref[ZeroRedundancyOptimizer]) -> None:
+        self.owner = owner
+
+    def __call__(self) -> None:
+        owner = self.owner()
+        if owner is not None:
+            owner._step_now()
 
 
 class _SawBackward:
