@@ -8,8 +8,9 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
 
 (A) NCCL at world size 1: construction with the defaults; the step path under
     torch.cuda.set_sync_debug_mode("error") (defaults, find_unused_parameters, the accumulation
-    check on); a hook whose `.then` finishes late on a stream of its own; gradients produced on
-    a side stream; the event-timed timeline against the step's device time and host enqueue
+    check on, ZeRO-2 stepping after backward, inside it and with overlapped gathers, ZeRO-1);
+    a hook whose `.then` finishes late on a stream of its own; gradients produced on a side
+    stream; the event-timed timeline against the step's device time and host enqueue
     times; the stall watchdog with a slowed bucket; 256 one-parameter buckets with a hook;
     ZeroRedundancyOptimizer with sharded gradients (NCCL's reduce-scatter and all-gather)
     against plain AdamW, and with the bf16 compression hook (reduce-scattered in bfloat16);
@@ -129,14 +130,8 @@ def no_host_sync(group: dist.ProcessGroup, device: torch.device) -> Any:
     if device.type != "cuda":
         return "SKIP", {"why": "CUDA only (tests/threaded/test_device_paths.py is the CPU stand-in)"}
     figures = {}
-    for name, kwargs, finite in [("defaults", {}, False),
-                                 ("find_unused_parameters", {"find_unused_parameters": True}, False),
-                                 ("NaN check (read back deferred)", {}, True)]:
-        model = Branchy().to(device)
-        ddp = gradsync.DistributedDataParallel(model, process_group=group, **kwargs)
-        ddp.reducer.configure(check_accumulation=True, check_finite=finite)
-        opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        x = torch.randn(16, 32, device=device)
+    for name, kwargs, finite, zero in SYNC_FREE:
+        ddp, opt, x = _sync_free_setup(group, device, kwargs, finite, zero)
         steps(ddp, opt, x, 3)  # construction-time reads and the bucket rebuild happen here
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -146,6 +141,30 @@ def no_host_sync(group: dist.ProcessGroup, device: torch.device) -> Any:
             torch.cuda.set_sync_debug_mode("default")
         figures[name] = "no sync in 5 steps"
     return figures
+
+
+# (name, wrapper keywords, NaN check, ZeroRedundancyOptimizer keywords or None for plain SGD)
+SMALL = {"bucket_cap_mb": 0.01}  # two buckets: a gather waited for by forward, one in flight
+SYNC_FREE: list[tuple[str, dict, bool, dict | None]] = [
+    ("defaults", {}, False, None),
+    ("find_unused_parameters", {"find_unused_parameters": True}, False, None),
+    ("NaN check (read back deferred)", {}, True, None),
+    ("ZeRO-2 (sharded gradients, SGD momentum)", SMALL, False, {}),
+    ("ZeRO-2 stepping inside backward (overlap_with_ddp)", SMALL, False, {"overlap_with_ddp": True}),
+    ("ZeRO-2 gathers overlapped with forward", SMALL, False, {"overlap_param_gather": True}),
+    ("ZeRO-1 over the wrapper", SMALL, False, {"shard_gradients": False}),
+]
+
+
+def _sync_free_setup(group: dist.ProcessGroup, device: torch.device, kwargs: dict, finite: bool,
+                     zero: dict | None) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+    model = Branchy().to(device)
+    ddp = gradsync.DistributedDataParallel(model, process_group=group, **kwargs)
+    ddp.reducer.configure(check_accumulation=True, check_finite=finite)
+    opt = (torch.optim.SGD(model.parameters(), lr=0.01) if zero is None else
+           gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                            lr=0.01, momentum=0.9, **zero))
+    return ddp, opt, torch.randn(16, 32, device=device)
 
 
 @check("A3 a hook whose .then finishes late on its own stream")

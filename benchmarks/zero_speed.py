@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +28,10 @@ import torch.distributed as dist
 
 VARIANTS = ("torch DDP + AdamW", "torch DDP + AdamW (again)", "torch ZeroRedundancyOptimizer",
             "gradsync ZeRO-1", "gradsync ZeRO-2", "gradsync ZeRO-2 overlapped")
+# On request (--variants): the step inside backward (overlap_with_ddp), and smaller buckets,
+# which let a slow link's gathers pipeline with the next forward ("N MiB buckets" in a name).
+EXTRA = ("gradsync ZeRO-2 inside backward", "gradsync ZeRO-2 overlapped, 4 MiB buckets",
+         "torch DDP + AdamW, 4 MiB buckets")
 LOOPBACK_MODELS, CLUSTER_MODELS = ("tiny_gpt", "wide_mlp"), ("gpt_16mib",)
 
 
@@ -40,12 +45,15 @@ def _variant(name: str, model_name: str, rank: int, repeat: int, models: dict):
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
     kwargs = {"lr": 1e-3, "weight_decay": 0.01}
+    cap = re.search(r"(\d+) MiB buckets", name)
+    wrap = {"bucket_cap_mb": int(cap.group(1))} if cap else {}
     if name.startswith("gradsync"):
-        wrapped = DistributedDataParallel(model)
+        wrapped = DistributedDataParallel(model, **wrap)
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients="ZeRO-2" in name,
-                                      overlap_param_gather="overlapped" in name, **kwargs)
+                                      overlap_param_gather="overlapped" in name,
+                                      overlap_with_ddp="inside backward" in name, **kwargs)
     else:
-        wrapped = torch.nn.parallel.DistributedDataParallel(model)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, **wrap)
         opt = (TorchZero(model.parameters(), torch.optim.AdamW, **kwargs) if "Zero" in name
                else torch.optim.AdamW(model.parameters(), **kwargs))
     g = torch.Generator().manual_seed(1000 + rank)
@@ -62,7 +70,7 @@ def _variant(name: str, model_name: str, rank: int, repeat: int, models: dict):
     return lambda: timed(step, repeat)
 
 
-def worker(model_names: list[str], rounds: int, repeat: int, out: str | None) -> None:
+def worker(model_names: list[str], rounds: int, repeat: int, out: str | None, names: tuple[str, ...]) -> None:
     from gradsync.tools.bench import interleave, markdown_table
 
     dist.init_process_group("gloo")
@@ -74,7 +82,7 @@ def worker(model_names: list[str], rounds: int, repeat: int, out: str | None) ->
     rank, sections, data = dist.get_rank(), [], {}
     for model_name in model_names:
         models: dict = {}
-        variants = {v: _variant(v, model_name, rank, repeat, models) for v in VARIANTS}
+        variants = {v: _variant(v, model_name, rank, repeat, models) for v in names}
         result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(6 / repeat)))
         for _, opt in models.values():
             if hasattr(opt, "wait_parameters"):
@@ -109,13 +117,19 @@ def main() -> None:
     parser.add_argument("--hosts", type=int, default=0, help="run on an emulated cluster of N hosts (root)")
     parser.add_argument("--link", default="2gbit")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", default="", help=f"comma-separated names to add: {', '.join(EXTRA)}")
     args = parser.parse_args()
+    extra = tuple(v.strip() for v in args.variants.split(",") if v.strip())
+    unknown = [v for v in extra if v not in EXTRA]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; expected some of {list(EXTRA)}")
     models = args.models or ",".join(CLUSTER_MODELS if args.hosts else LOOPBACK_MODELS)
     if args.worker:
-        worker(models.split(","), args.rounds, args.repeat, args.out)
+        worker(models.split(","), args.rounds, args.repeat, args.out, VARIANTS + extra)
         return
     target = [os.path.abspath(__file__), "--worker", "--models", models, "--rounds", str(args.rounds),
-              "--repeat", str(args.repeat), *(["--out", os.path.abspath(args.out)] if args.out else [])]
+              "--repeat", str(args.repeat), *(["--out", os.path.abspath(args.out)] if args.out else []),
+              *(["--variants", ",".join(extra)] if extra else [])]
     if not args.hosts:
         sys.exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   "--nproc-per-node=2", *target]))
