@@ -30,8 +30,8 @@ VARIANTS = ("torch DDP + AdamW", "torch DDP + AdamW (again)", "torch ZeroRedunda
             "gradsync ZeRO-1", "gradsync ZeRO-2", "gradsync ZeRO-2 overlapped")
 # On request (--variants): the step inside backward (overlap_with_ddp), and smaller buckets,
 # which let a slow link's gathers pipeline with the next forward ("N MiB buckets" in a name).
-EXTRA = ("gradsync ZeRO-2 inside backward", "gradsync ZeRO-2 overlapped, 4 MiB buckets",
-         "torch DDP + AdamW, 4 MiB buckets")
+EXTRA = ("gradsync ZeRO-2 inside backward", "gradsync ZeRO-2 overlapped (4 MiB buckets)",
+         "torch DDP + AdamW (4 MiB buckets)")
 LOOPBACK_MODELS, CLUSTER_MODELS = ("tiny_gpt", "wide_mlp"), ("gpt_16mib",)
 
 
