@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = ("torch", "gradsync", "zero-1", "zero-2", "zero-2-overlapped", "torch-again", "torch-zero")
+VARIANTS = ("torch", "gradsync", "zero-1", "zero-2", "zero-2-overlapped", "zero-2-inside", "torch-again", "torch-zero")
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
 
 
@@ -43,7 +43,8 @@ def _build(name: str, model_name: str, rank: int):
         wrapped = DistributedDataParallel(model)
         opt = (torch.optim.AdamW(model.parameters(), **kw) if name == "gradsync" else
                ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients=name != "zero-1",
-                                       overlap_param_gather=name == "zero-2-overlapped", **kw))
+                                       overlap_param_gather=name == "zero-2-overlapped",
+                                       overlap_with_ddp=name == "zero-2-inside", **kw))
     g = torch.Generator().manual_seed(1000 + rank)
     return wrapped, opt, [make_input(g) for _ in range(4)]
 
