@@ -24,7 +24,8 @@ from .errors import ReductionTimeoutError
 # As torch's DDP broadcasts module states at construction.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
-__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather_ints", "all_gather_objects", "all_reduce", "broadcast_tensors", "wait", "wait_error"]
+__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather_ints", "all_gather_objects", "all_reduce",
+           "broadcast_tensors", "finish_all_gather_ints", "start_all_gather_ints", "wait", "wait_error"]
 
 
 def wait(
@@ -98,11 +99,27 @@ def all_gather_ints(
     group: dist.ProcessGroup, values: Sequence[int], timeout: timedelta = DEFAULT_TIMEOUT
 ) -> list[list[int]]:
     """Every rank's `values` (the same count on every rank), in rank order: one collective."""
+    return finish_all_gather_ints(start_all_gather_ints(group, values), group, timeout)
+
+
+GatheringInts = tuple[dist.Work, torch.Tensor, torch.Tensor]
+
+
+def start_all_gather_ints(group: dist.ProcessGroup, values: Sequence[int]) -> GatheringInts:
+    """`all_gather_ints` set in flight, to be finished by `finish_all_gather_ints` after
+    whatever can run meanwhile."""
     device = object_device(group)
     mine = torch.tensor(list(values), dtype=torch.int64, device=device)
     every = torch.empty(len(values) * group.size(), dtype=torch.int64, device=device)
-    wait(group._allgather_base(every, mine), "all-gather of per-rank values", group, timeout)
-    return every.view(group.size(), len(values)).tolist()
+    return group._allgather_base(every, mine), every, mine
+
+
+def finish_all_gather_ints(
+    started: GatheringInts, group: dist.ProcessGroup, timeout: timedelta = DEFAULT_TIMEOUT
+) -> list[list[int]]:
+    work, every, _mine = started
+    wait(work, "all-gather of per-rank values", group, timeout)
+    return every.view(group.size(), -1).tolist()
 
 
 def broadcast_tensors(

@@ -29,10 +29,11 @@ reduce-scatter is an all-to-all and a local sum (`engine.bucket.REDUCE_BY`).
 Gradient clipping must then go through `clip_grad_norm_` of this class: torch's function would
 see no gradients.
 
-Without sharded gradients, on a host group (gloo), every `step()` first agrees, in one small
-all-gather, that each rank has the same parameter groups and has run a backward since its last
-step; a rank that differs makes every rank raise the same error, naming the ranks and their
-values, instead of leaving the others waiting in a collective. On a device group (NCCL) that
+Without sharded gradients, on a host group (gloo), every `step()` agrees, in one small
+all-gather in flight while each rank steps its own share, that each rank has the same parameter
+groups and has run a backward since its last step; a rank that differs makes every rank raise
+the same error before any parameter is sent, naming the ranks and their values, instead of
+leaving the others waiting in a collective. On a device group (NCCL) that
 would read the all-gather on the host every step, a sync that stops the host running ahead, so
 there, as with sharded gradients (whose groups are fixed), no such collective runs: a rank with
 no backward raises at once, and the others within the process group's timeout. The averaging and
@@ -71,8 +72,10 @@ from torch.optim import Optimizer
 from ..engine.collectives import (
     DEFAULT_TIMEOUT,
     Broadcasts,
-    all_gather_ints,
+    GatheringInts,
     all_gather_objects,
+    finish_all_gather_ints,
+    start_all_gather_ints,
 )
 from ..engine.device import host_runs_collectives
 from ..engine.reducer import Reducer
@@ -333,8 +336,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _step_now(self) -> None:
         if self._gathers is not None:
             self._gathers.finish_all()  # a step without a forward since the last one
-        self._check_ready_to_step()
-        self._backward_seen = False
+        agreement = self._start_agreement()
+        ready, self._backward_seen = self._backward_seen, False
         if self._synced_by is not None:
             self._syncs = self._synced_by.reductions
         if self.reducer is not None:
@@ -347,8 +350,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._gathers is not None:
             self._step_and_gather(self._gathers)
             return
-        if self.optim is not None:
+        if self.optim is not None and ready:
             self.optim.step()
+        if agreement is not None:  # in flight during the local step, which it refuses before any broadcast
+            self._finish_agreement(agreement)
         self._broadcast_parameters()
 
     def _step_and_gather(self, gathers: Gathers) -> None:
@@ -373,15 +378,23 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 broadcasts.start(owned, rank, f"broadcast of the parameters rank {rank} stepped")
         broadcasts.finish()
 
-    def _check_ready_to_step(self) -> None:
-        """Refuse, on every rank alike, a step some rank is not ready for (on a host group
-        without sharded gradients; otherwise on the rank that is not)."""
+    def _start_agreement(self) -> GatheringInts | None:
+        """ZeRO-1 on a host group: start agreeing that every rank is ready for this step (the
+        same parameter groups, a backward since its last step), finished after this rank's
+        local step (`_finish_agreement`): the round trip hides behind the step. Otherwise each
+        rank checks itself (`_check_own_backward`) and None."""
         if self.reducer is not None or not self._agree_each_step:
             self._check_own_backward()
-            return
-        ready = self._backward_seen
-        mine = [len(self.param_groups), sum(p.numel() for g in self.param_groups for p in g["params"]), int(ready)]
-        every = all_gather_ints(self.process_group, mine, self.timeout)
+            return None
+        mine = [len(self.param_groups), sum(p.numel() for g in self.param_groups for p in g["params"]),
+                int(self._backward_seen)]
+        return start_all_gather_ints(self.process_group, mine)
+
+    def _finish_agreement(self, agreement: GatheringInts) -> None:
+        """Refuse, on every rank alike, a step some rank was not ready for, before any parameter
+        is sent: the ranks that were have stepped their own share (a rank with no backward has
+        not), so the error leaves the ranks' parameters apart; it is an error to stop on."""
+        every = finish_all_gather_ints(agreement, self.process_group, self.timeout)
         if len({tuple(v[:2]) for v in every}) > 1:
             seen = ", ".join(f"rank {r}: {v[0]} groups, {v[1]} elements" for r, v in enumerate(every))
             raise ValueError(
