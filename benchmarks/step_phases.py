@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = ("torch", "gradsync", "zero-1", "zero-2", "zero-2-overlapped", "zero-2-inside", "torch-again", "torch-zero")
+VARIANTS = ("torch", "gradsync", "zero-1", "zero-2", "zero-2-overlapped", "zero-2-inside", "torch-again", "torch-zero",
+            "torch-zero-1")
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
 
 
@@ -35,9 +36,10 @@ def _build(name: str, model_name: str, rank: int):
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
     kw = {"lr": 1e-3, "weight_decay": 0.01}
-    if name.startswith("torch"):
+    if name.startswith("torch"):  # torch's DDP, with torch's optimizers or gradsync's ZeRO-1 ("torch-zero-1")
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
         opt = (TorchZero(model.parameters(), torch.optim.AdamW, **kw) if name == "torch-zero"
+               else ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw) if name == "torch-zero-1"
                else torch.optim.AdamW(model.parameters(), **kw))
     else:
         wrapped = DistributedDataParallel(model)
