@@ -18,7 +18,8 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
     autocast (defaults and find_unused_parameters).
 (B) two ranks (threads) with gloo on CUDA tensors: parity with torch's DDP for the defaults,
     bucket views, mixed precision, the fp16 hook, PowerSGD, find_unused_parameters, static
-    graph, no_sync, BatchNorm buffers and ZeRO-2 (sharded gradients, against plain SGD).
+    graph, no_sync, BatchNorm buffers and ZeRO-2 (sharded gradients, stepped after backward and
+    inside it, against plain SGD).
 """
 
 from __future__ import annotations
@@ -430,6 +431,7 @@ PARITY = {
     "no_sync": {"no_sync": True},
     "BatchNorm buffers": {"broadcast_buffers": True},
     "ZeRO-2 (sharded gradients, SGD momentum)": {"zero": True},
+    "ZeRO-2 stepping inside backward (overlap_with_ddp)": {"zero": True, "inside": True},
 }
 
 
@@ -437,6 +439,7 @@ def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device,
     spec = dict(spec)
     hook, mixed, branch, no_sync = spec.pop("hook", None), spec.pop("mixed", False), spec.pop("branch", False), spec.pop("no_sync", False)
     zero = spec.pop("zero", False) and cls is gradsync.DistributedDataParallel  # torch's side: plain SGD
+    inside = spec.pop("inside", False)
     model = seeded(Branchy, 0).to(device)  # locked: the rank threads share torch's generator
     if mixed:  # torch's DDP policy, taken by both (torch's needs device events: CUDA only)
         from torch.nn.parallel.distributed import _MixedPrecision
@@ -451,7 +454,7 @@ def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device,
                                    min_compression_rate=0.5, use_error_feedback=True, warm_start=True, random_seed=0)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
     opt = (gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.05,
-                                            momentum=0.9) if zero
+                                            momentum=0.9, overlap_with_ddp=inside) if zero
            else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     gen = torch.Generator().manual_seed(rank)
     for step in range(5):

@@ -213,6 +213,37 @@ def _backward_missing_spare(group, forward=lambda model, x: model(x)):
     return model, reducer, str(info.value)
 
 
+def test_a_finish_hook_runs_after_each_finished_synchronised_backward_and_only_then():
+    def body(rank, group):
+        model = seeded(lambda: torch.nn.Linear(4, 2), 0)
+        reducer = _reducer_for(model, group)
+        seen = []  # the weight's gradient as each call found it: written back already
+        handle = reducer.register_finish_hook(lambda: seen.append(model.weight.grad.clone()))
+        x = torch.full((2, 4), float(rank + 1))
+        for _ in range(2):
+            model.zero_grad()
+            out = model(x)
+            reducer.prepare_for_backward(out)
+            out.sum().backward()
+        branchy = seeded(lambda: __import__("models").UnusedBranch(), 0)
+        failing = _reducer_for(branchy, group)
+        failing.register_finish_hook(lambda: seen.append("after an error"))
+        out = branchy(torch.ones(2, 8))
+        failing.prepare_for_backward(out)
+        with pytest.raises(GradSyncError, match="never came"):  # spare.* left out: finish raises
+            out.sum().backward()
+        handle.remove()
+        out = model(x)
+        reducer.prepare_for_backward(out)
+        out.sum().backward()
+        return seen
+
+    for seen in run_threaded(body, 2):
+        assert len(seen) == 2  # the two synchronised backwards; none after remove()
+        assert all(torch.equal(g, seen[0]) for g in seen)  # the average of x = 1 and 2 per rank
+        assert torch.equal(seen[0], torch.full((2, 4), 3.0))
+
+
 def test_backward_that_leaves_a_bucket_unfilled_raises_at_its_end_on_every_rank():
     def body(rank, group):
         model, _, message = _backward_missing_spare(group)
