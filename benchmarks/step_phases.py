@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 VARIANTS = ("torch", "gradsync", "zero-1", "zero-2", "zero-2-overlapped", "zero-2-inside", "torch-again", "torch-zero",
-            "torch-zero-1")
+            "torch-zero-1", "zero-1-views")
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
 
 
@@ -44,7 +44,9 @@ def _build(name: str, model_name: str, rank: int):
     else:
         wrapped = DistributedDataParallel(model)
         opt = (torch.optim.AdamW(model.parameters(), **kw) if name == "gradsync" else
-               ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients=name != "zero-1",
+               ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW,
+                                       shard_gradients=not name.startswith("zero-1"),
+                                       parameters_as_bucket_view=name == "zero-1-views",
                                        overlap_param_gather=name == "zero-2-overlapped",
                                        overlap_with_ddp=name == "zero-2-inside", **kw))
     g = torch.Generator().manual_seed(1000 + rank)

@@ -82,6 +82,39 @@ def test_overlap_with_ddp_steps_zero_1_inside_backward_bit_for_bit(optimizer, wo
             assert torch.equal(params[name], ref[name]), name
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_as_bucket_view_broadcasts_flat_buffers_in_place_bit_for_bit(world):
+    # torch's keyword: each owner's contiguous parameters view one flat buffer, broadcast where
+    # it lies; channels-last weights (another layout) travel as before; a group added later
+    # gets buffers of its own. The plain optimizer's parameters, bit for bit.
+    batches = make_batches(STEPS, world)
+
+    def body(rank, group, view):
+        model = _build("conv").to(memory_format=torch.channels_last)
+        head = seeded(lambda: torch.nn.Linear(4, 2), 1)
+        ddp = GradsyncDDP(torch.nn.Sequential(model, head), process_group=group)
+        first = list(model.parameters())
+        opt = (ZeroRedundancyOptimizer(first, torch.optim.AdamW, process_group=group, shard_gradients=False,
+                                       parameters_as_bucket_view=True, lr=0.01) if view
+               else torch.optim.AdamW(first, lr=0.01))
+        for i, batch in enumerate(batches):
+            if i == 1:
+                opt.add_param_group({"params": list(head.parameters()), "lr": 0.02})
+            opt.zero_grad()
+            _loss(ddp(_shard(batch, rank, world))).backward()
+            opt.step()
+        storages = {id(p): p.untyped_storage().data_ptr() for p in ddp.parameters()}
+        viewed = [(p.is_contiguous(), storages[id(p)]) for p in ddp.parameters()] if view else []
+        return [p.detach().clone() for p in ddp.parameters()], viewed, len(opt._flats) if view else 0
+
+    plain = run_threaded(body, world, False)[0][0]
+    for params, viewed, flats in run_threaded(body, world, True):
+        assert all(torch.equal(a, b) for a, b in zip(params, plain))
+        assert any(not contiguous for contiguous, _ in viewed)  # a channels-last weight, left as it was
+        shared = [ptr for contiguous, ptr in viewed if contiguous]
+        assert len(set(shared)) == flats < len(shared)  # the contiguous ones share a few buffers
+
+
 def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_world_size():
     batches = make_batches(2 * STEPS, 6)
 

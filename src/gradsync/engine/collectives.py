@@ -155,13 +155,21 @@ class Broadcasts:
 
     def start(self, tensors: Sequence[torch.Tensor], src: int, what: str,
               chunk_bytes: int = BROADCAST_CHUNK_BYTES) -> None:
-        opts = dist.BroadcastOptions()
-        opts.rootRank = src
         with torch.no_grad():
             for chunk in _chunks(tensors, chunk_bytes):
                 alone = len(chunk) == 1 and _in_place(chunk[0])
                 flat = chunk[0].detach() if alone else torch.cat([t.detach().reshape(-1) for t in chunk])
-                self._pending.append((self.group.broadcast([flat], opts), what, None if alone else flat, chunk))
+                self._pending.append((self._broadcast(flat, src), what, None if alone else flat, chunk))
+
+    def start_in_place(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        """Broadcast one contiguous tensor where it lies, whatever its size (a flat buffer that
+        parameters view: nothing to copy in or out)."""
+        self._pending.append((self._broadcast(tensor.detach(), src), what, None, [tensor]))
+
+    def _broadcast(self, tensor: torch.Tensor, src: int) -> dist.Work:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = src
+        return self.group.broadcast([tensor], opts)
 
     def finish(self) -> None:
         """Wait for every broadcast started, in order, and write the flat ones out."""

@@ -4,7 +4,9 @@ A drop-in for torch's class of that name. Every rank holds every parameter and, 
 parallel's all-reduce, every averaged gradient; each rank *owns* a partition of the parameters
 and keeps optimizer state for those only, about 1/N of it. `step()` steps the owned parameters
 with a local optimizer of the given class, then each owner broadcasts its updated parameters to
-the others (flat, one broadcast per dtype and device). The partition is torch's: per parameter
+the others (flat, one broadcast per dtype and device; with `parameters_as_bucket_view=True`,
+as torch's keyword, the parameters view those flat buffers and are broadcast where they lie,
+with no copy in or out). The partition is torch's: per parameter
 group, largest first, each parameter to the rank holding the fewest elements so far; so the
 same parameters end on the same ranks as under torch's class.
 
@@ -121,7 +123,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # the process group's timeout.
         self._agree_each_step = host_runs_collectives(group)
         self.optimizer_class, self.timeout = optimizer_class, timeout
-        self.parameters_as_bucket_view = parameters_as_bucket_view  # accepted: broadcasts are flat anyway
+        self.parameters_as_bucket_view = parameters_as_bucket_view  # ZeRO-1: `_view_partition`
+        self._flats: list[tuple[int, torch.Tensor]] = []  # (owner, a flat buffer its parameters view)
+        self._viewed: set[int] = set()  # ids of the parameters that view one
         self._optim_defaults = defaults
         # The class's whole defaults (Adam's betas, eps, ...), so that our groups, the state
         # dicts' and an LR scheduler's view hold every hyperparameter, as the plain optimizer's do.
@@ -159,6 +163,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         else:
             for g in self.param_groups:
                 self._partition.append(self._split(g["params"]))
+                self._view_partition(self._partition[-1])
             # ZeRO-1 notes each backward with a hook per parameter; ZeRO-2 counts the
             # reducer's synchronised backwards instead, and needs none on its hot path.
             self._hooks += [p.register_post_accumulate_grad_hook(self._saw_backward) for p in params_all if p.requires_grad]
@@ -255,6 +260,19 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             self._loads[rank] += p.numel()
         return per_rank
 
+    def _view_partition(self, part: list[list[torch.Tensor]]) -> None:
+        """`parameters_as_bucket_view` (ZeRO-1, as torch's keyword): each owner's contiguous
+        parameters of one group become views of a flat buffer per dtype and device, which its
+        broadcast sends and receives where it lies, with no copy in or out. Parameters whose
+        memory has another layout travel as before (`Broadcasts`). As under torch's class,
+        replacing a parameter's `.data` afterwards (`model.to(...)`) cuts it off its buffer."""
+        if not self.parameters_as_bucket_view:
+            return
+        for rank, params in enumerate(part):
+            for buffer, members in _flat_views(params):
+                self._flats.append((rank, buffer))
+                self._viewed.update(id(p) for p in members)
+
     def _pieces_by_group(self) -> list[list[Piece]]:
         """This rank's pieces, per parameter group (the local optimizer's groups), in order."""
         if self.reducer is not None:
@@ -303,6 +321,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         group = self.param_groups[-1]
         self._hooks += [p.register_post_accumulate_grad_hook(self._saw_backward) for p in group["params"] if p.requires_grad]
         self._partition.append(self._split(group["params"]))
+        self._view_partition(self._partition[-1])
         mine = self._local_groups()[-1]
         if self.optim is None:
             self._build_local_optimizer()
@@ -372,8 +391,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def _broadcast_parameters(self) -> None:
         """Every owner's broadcasts in flight at once (as torch's class), then waited for."""
         broadcasts = Broadcasts(self.process_group, self.timeout)
+        for rank, buffer in self._flats:
+            broadcasts.start_in_place(buffer, rank, f"broadcast of the parameters rank {rank} stepped")
         for rank in range(self.world_size):
-            owned = [p for part in self._partition for p in part[rank]]
+            owned = [p for part in self._partition for p in part[rank] if id(p) not in self._viewed]
             if owned:
                 broadcasts.start(owned, rank, f"broadcast of the parameters rank {rank} stepped")
         broadcasts.finish()
@@ -622,6 +643,24 @@ def _wrappers(params: list[torch.Tensor]) -> dict[int, Any]:
 
 def _none() -> None:
     return None
+
+
+def _flat_views(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """One flat buffer per dtype and device holding these contiguous parameters' values, each
+    parameter's `.data` now a view of it; with the parameters that view each."""
+    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for p in params:
+        if p.is_contiguous():
+            kinds.setdefault((p.dtype, p.device), []).append(p)
+    buffers = []
+    with torch.no_grad():
+        for (dtype, device), members in kinds.items():
+            buffer = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
+            for view, p in zip(buffer.split([p.numel() for p in members]), members):
+                view.copy_(p.detach().reshape(-1))
+                p.data = view.view_as(p)
+            buffers.append((buffer, members))
+    return buffers
 
 
 def _per_element(value: Any, numel: int) -> bool:
