@@ -115,6 +115,35 @@ def test_parameters_as_bucket_view_broadcasts_flat_buffers_in_place_bit_for_bit(
         assert len(set(shared)) == flats < len(shared)  # the contiguous ones share a few buffers
 
 
+def test_an_in_place_broadcast_a_peer_never_joins_raises_within_the_timeout():
+    # parameters_as_bucket_view: the owners' flat buffers are broadcast where they lie, through
+    # the same timed waits. With the agreement off (as on a device group) the first collective
+    # rank 0 waits in is that broadcast, which rank 1 never joins.
+    from datetime import timedelta
+
+    done = threading.Event()
+
+    def body(rank, group):
+        model = _build("mlp")
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
+                                      parameters_as_bucket_view=True, timeout=timedelta(seconds=2), lr=0.1)
+        opt._agree_each_step = False
+        if rank == 1:  # alive, its group too, but never stepping
+            done.wait(20)
+            return "no step"
+        _loss(model(torch.ones(2, 8))).backward()
+        try:
+            opt.step()
+        except Exception as error:  # noqa: BLE001 - the error is the result
+            return str(error)
+        finally:
+            done.set()
+        return "no error"
+
+    first, _ = run_threaded(body, 2, timeout=30)
+    assert "rank 0/2: broadcast of the parameters rank" in first and "did not complete within" in first, first
+
+
 def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_world_size():
     batches = make_batches(2 * STEPS, 6)
 
