@@ -62,3 +62,21 @@ def test_a_paired_ratio_comes_with_a_bootstrap_interval_that_tells_noise_from_a_
     assert c.ratio_interval("slower", "base") == (lo, hi)  # deterministic
     table = markdown_table(c, "base", "again", "ms")
     assert "95 % interval" in table.splitlines()[0] and f"{lo:.3f}–{hi:.3f}" in table
+
+
+def test_the_floor_with_the_links_cpu_adds_each_cores_share_of_an_all_reduces_cpu_to_compute():
+    from gradsync.planning.planner import CommCpu, CostModel
+    from gradsync.tools.bench import Comparison
+    from gradsync.tools.benchsuite import VARIANTS, _cpu_floor_lines, _cpu_floor_ms
+
+    result = Comparison(list(VARIANTS))
+    for t in (0.200, 0.210, 0.190):
+        for v in VARIANTS:
+            result.add(v, t / 2 if v == "compute only" else t)
+    data = {"result": result, "nbytes": 2**20, "cost": CostModel(1.0, 50.0 / 2**20), "comm_cpu": None}
+    assert _cpu_floor_ms(data) is None and _cpu_floor_lines(data) == []  # not measured: no line
+    data["comm_cpu"] = CommCpu(allreduce_ms=51.0, busy_ms=30.0, cores=2)
+    assert _cpu_floor_ms(data) == pytest.approx(100.0 + 15.0)  # compute 100 ms + 15 ms per core
+    data["comm_cpu"] = CommCpu(allreduce_ms=51.0, busy_ms=2.0, cores=2)
+    assert _cpu_floor_ms(data) == pytest.approx(101.0)  # communication (1 + 50 ms) is the floor
+    assert "max(compute + 1.0, communication) = 101.00 ms" in _cpu_floor_lines(data)[0]

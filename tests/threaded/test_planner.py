@@ -203,6 +203,33 @@ def test_contention_is_measured_and_agreed_by_every_rank():
     assert 0.0 <= first.share <= 1.0 and torch.get_num_threads() == 1
 
 
+@pytest.mark.pure
+def test_busy_cpu_time_is_everything_but_idle_and_iowait_and_a_cores_share_is_the_machines_over_its_cores():
+    import os
+
+    from gradsync.planning.planner import CommCpu, busy_cpu_seconds
+
+    stat = "cpu  100 5 50 1000 20 3 2 7 0 0\ncpu0 50 2 25 500 10 1 1 3 0 0\nintr 1\n"
+    assert busy_cpu_seconds(stat) == pytest.approx((100 + 5 + 50 + 3 + 2 + 7) / os.sysconf("SC_CLK_TCK"))
+    assert busy_cpu_seconds() is None or busy_cpu_seconds() > 0  # this machine's, where it has one
+    assert CommCpu(allreduce_ms=70.0, busy_ms=40.0, cores=2).per_core_ms == 20.0
+
+
+def test_the_cpu_an_all_reduce_costs_is_measured_and_agreed_by_every_rank():
+    from gradsync.planning.planner import measure_comm_cpu
+    from gradsync.testing import run_threaded
+
+    def body(rank, group):
+        return measure_comm_cpu(group, 4 << 20, seconds=0.2)
+
+    first, second = run_threaded(body, 2)
+    assert first == second  # both ranks report the same figures
+    assert first is not None  # Linux: /proc/stat is there
+    assert first.allreduce_ms > 0 and first.busy_ms >= 0 and first.cores >= 1
+    # On loopback the bytes are copied by the CPUs themselves: 4 MiB each way cost some CPU.
+    assert first.busy_ms > 0
+
+
 def _forced_revert(rank, group):
     import torch
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -32,6 +33,7 @@ from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, wait
 __all__ = [
     "CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model",
     "LoadProbe", "probe_under_load", "probe_sizes", "Contention", "measure_contention", "probe_during_compute",
+    "CommCpu", "measure_comm_cpu", "busy_cpu_seconds",
 ]
 
 
@@ -298,6 +300,70 @@ def measure_contention(
     agreed = torch.tensor([compute, alone, together], dtype=torch.float64)
     all_reduce(group, agreed, dist.ReduceOp.MAX, "contention agreement", timeout)
     return Contention(*agreed.tolist())
+
+
+@dataclasses.dataclass(frozen=True)
+class CommCpu:
+    """What an all-reduce costs the machine's CPUs besides its wall time: gloo's threads and
+    the kernel's network stack (on the emulated cluster: TCP, the veth pairs, the bridge, tbf)."""
+
+    allreduce_ms: float
+    """Wall time of one all-reduce (the slowest rank's)."""
+    busy_ms: float
+    """CPU time the machine spent per all-reduce, every core together, less its idle baseline."""
+    cores: int
+
+    @property
+    def per_core_ms(self) -> float:
+        """What each core loses per all-reduce if every core is computing (the work spreads over
+        them): the least a step can add to its compute when it overlaps that all-reduce."""
+        return self.busy_ms / self.cores
+
+
+def busy_cpu_seconds(stat: str | None = None) -> float | None:
+    """Seconds every CPU of this machine spent busy since boot (the first line of `/proc/stat`:
+    all but idle and iowait), or None where there is no `/proc/stat`."""
+    if stat is None:
+        try:
+            stat = Path("/proc/stat").read_text()
+        except OSError:
+            return None
+    fields = [int(f) for f in stat.splitlines()[0].split()[1:]]
+    return (sum(fields) - fields[3] - (fields[4] if len(fields) > 4 else 0)) / _clock_ticks()
+
+
+def _clock_ticks() -> int:
+    return os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def measure_comm_cpu(
+    group: dist.ProcessGroup, nbytes: int, seconds: float = 1.0, timeout: timedelta = DEFAULT_TIMEOUT
+) -> CommCpu | None:
+    """The machine's CPU time per all-reduce of `nbytes`, from `/proc/stat` around back-to-back
+    all-reduces for about `seconds`, less what the machine spends over as long idle (a sleep).
+    Machine-wide: on the emulated cluster every host shares this machine's cores, so it is
+    every rank's cost together. None where `/proc/stat` is missing (every rank agrees: the
+    slowest rank's wall time and the largest reading)."""
+    t = torch.zeros(max(nbytes // 4, 1))
+    wait(group.allreduce([t]), "CPU cost probe", group, timeout)  # warm-up
+    start = time.perf_counter()
+    wait(group.allreduce([t]), "CPU cost probe", group, timeout)
+    once = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    count = max(3, int(seconds / all_reduce(group, once, dist.ReduceOp.MAX, "CPU cost probe", timeout).item()))
+    busy0, start = busy_cpu_seconds(), time.perf_counter()
+    for _ in range(count):
+        wait(group.allreduce([t]), "CPU cost probe", group, timeout)
+    busy1, wall = busy_cpu_seconds(), time.perf_counter() - start
+    time.sleep(wall)  # the idle baseline over as long
+    busy2 = busy_cpu_seconds()
+    found = busy0 is not None and busy1 is not None and busy2 is not None
+    cost = ((busy1 - busy0) - (busy2 - busy1)) / count * 1e3 if found else -1.0  # type: ignore[operator]
+    agreed = torch.tensor([wall / count * 1e3, max(cost, 0.0) if found else -1.0], dtype=torch.float64)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "CPU cost agreement", timeout)
+    wall_ms, busy_ms = agreed.tolist()
+    if busy_ms < 0:
+        return None
+    return CommCpu(wall_ms, busy_ms, os.cpu_count() or 1)
 
 
 def _settle(device: torch.device) -> None:

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..planning.planner import probe_cost_model, probe_sizes
+from ..planning.planner import measure_comm_cpu, probe_cost_model, probe_sizes
 from ..wrapper.ddp import DistributedDataParallel
 from .bench import Comparison, interleave, markdown_table, timed
 
@@ -186,9 +186,10 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
     result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(AUTO_SETTLES / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
+    comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]
     plans = {k: str(models.pop(k).bucket_plan()) for k in [k for k in models if k.startswith("plan of ")]}  # type: ignore[operator]
     same = _same_parameters(models)
-    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans}
+    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans, "comm_cpu": comm_cpu}
 
 
 def _same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
@@ -215,6 +216,7 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
         f"all-reduce here ≈ {cost.alpha_ms:.3f} ms + {cost.beta_ms_per_byte * 2**20:.3f} ms/MiB "
         f"({cost.bandwidth_gbps:.2f} GB/s); communication floor for this model: {floor:.2f} ms",
         _floor_line(result, _floor_ms(data)),
+        *_cpu_floor_lines(data),
         "same parameters as torch DDP (max |diff|): "
         + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
         *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
@@ -233,9 +235,32 @@ def _floor_ms(data: dict) -> float:
     return max(data["result"].median("compute only") * 1e3, data["cost"].time_ms(data["nbytes"]))
 
 
-def _floor_line(result: Comparison, floor: float) -> str:
+def _cpu_floor_ms(data: dict) -> float | None:
+    """The floor where moving the bytes takes CPU from compute (every core computing, as on
+    the emulated cluster and loopback): max(compute + the all-reduce's CPU per core,
+    communication). None where the CPU cost was not measured."""
+    cpu = data.get("comm_cpu")
+    if cpu is None:
+        return None
+    return max(data["result"].median("compute only") * 1e3 + cpu.per_core_ms, data["cost"].time_ms(data["nbytes"]))
+
+
+def _cpu_floor_lines(data: dict) -> list[str]:
+    cpu, floor = data.get("comm_cpu"), _cpu_floor_ms(data)
+    if cpu is None or floor is None:
+        return []
+    return [
+        f"an all-reduce of these gradients keeps this machine's CPUs busy {cpu.busy_ms:.1f} ms "
+        f"({cpu.per_core_ms:.1f} ms on each of {cpu.cores} cores) over its {cpu.allreduce_ms:.1f} ms; "
+        f"with every core computing, that floor is max(compute + {cpu.per_core_ms:.1f}, communication) "
+        f"= {floor:.2f} ms",
+        _floor_line(data["result"], floor, "with the links' CPU"),
+    ]
+
+
+def _floor_line(result: Comparison, floor: float, which: str = "max(compute, communication)") -> str:
     shares = ", ".join(f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only")
-    return f"floor max(compute, communication) = {floor:.2f} ms; step time / floor: {shares}"
+    return f"floor {which} = {floor:.2f} ms; step time / floor: {shares}"
 
 
 def chart(results: dict[str, dict], path: Path) -> Path:
@@ -304,6 +329,8 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "allreduce_ms_per_mib": d["cost"].beta_ms_per_byte * 2**20,
             "max_param_diff_to_torch": d["same"],
             "floor_ms": _floor_ms(d),
+            "comm_cpu_ms": d["comm_cpu"].busy_ms if d["comm_cpu"] is not None else None,
+            "floor_with_comm_cpu_ms": _cpu_floor_ms(d),
         }
         for m, d in results.items()
     }
