@@ -16,7 +16,10 @@ first rank to raise is re-raised as `RankError` naming its rank.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import functools
+import gc
 import os
 import pickle
 import queue
@@ -129,6 +132,7 @@ def run_threaded(
     if not 1 <= world_size <= 64:
         raise ValueError(f"world_size={world_size}: expected 1..64")
     _first_linear_here()
+    _collect_cycles_before_exit()
     store = dist.HashStore()
     prefix = f"run_threaded/{time.monotonic_ns()}"
     outcomes: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
@@ -149,6 +153,17 @@ def run_threaded(
     for t in threads:
         t.start()
     return _collect(outcomes, world_size, timeout, "thread")
+
+
+@functools.cache
+def _collect_cycles_before_exit() -> None:
+    """Once per process: run the cycle collector at interpreter exit, before finalization.
+
+    The rank threads' models and wrappers (torch's DDP as much as gradsync's) sit in reference
+    cycles that hold the threads' gloo groups until the collector runs. Left to interpreter
+    finalization, freeing them there aborted a script ("terminate called without an active
+    exception"; 1 run in 1 with torch's DDP alone, 0 in 9 with a collection before exit)."""
+    atexit.register(gc.collect)
 
 
 def _collect(outcomes: Any, world_size: int, timeout: float, what: str) -> list[Any]:

@@ -113,3 +113,26 @@ def test_init_process_group_keeps_restart_attempts_apart():
     assert done.returncode == 0, done.stdout + done.stderr
     # Each attempt starts from an empty view, although the first left its key behind.
     assert "seen before writing, per attempt: [False, False]" in done.stdout, done.stdout
+
+
+def test_a_script_that_runs_ranks_in_threads_exits_cleanly_without_collecting_itself(tmp_path):
+    """torch's DDP in rank threads leaves reference cycles holding the threads' gloo groups;
+    run_threaded collects them at exit, before interpreter finalization (which aborted)."""
+    import subprocess
+
+    script = tmp_path / "threads.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from gradsync.testing import run_threaded
+
+        def body(rank, group):
+            model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8), process_group=group)
+            model(torch.ones(2, 8)).sum().backward()
+            return rank
+
+        print("ranks", run_threaded(body, 2), flush=True)
+    """))
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}  # as a user's script runs
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    # Before: rc -6 (SIGABRT) in every run, after printing the ranks.
+    assert done.returncode == 0 and "ranks [0, 1]" in done.stdout, (done.returncode, done.stdout + done.stderr)
