@@ -4,8 +4,8 @@ Run through torch's launcher (`gradsync bench` does it): every rank builds each 
 same seed; in every round each variant trains `--repeat` steps on the same batches (the order of
 variants rotates round by round; the first rounds are warm-up, long enough for planned
 buckets to finish their trial). Rank 0 reports medians, spreads
-and paired ratios to torch's DDP, the measured all-reduce cost and each model's communication
-floor, checks that every synchronising variant ended with the same parameters, and writes a
+and paired ratios to torch's DDP, the measured all-reduce cost, each model's communication
+floor and the CPU time an all-reduce costs the machine (and the floor that counts it), checks that every synchronising variant ended with the same parameters, and writes a
 markdown table, a JSON file and a PNG chart.
 
 Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with gradient_as_bucket_view; gradsync with
