@@ -360,3 +360,21 @@ def test_the_probe_during_compute_raises_when_a_rank_does_not_take_part():
 
     with pytest.raises(RankError, match=r"rank 0.*cost-model probe during compute.*(did not complete within|failed)"):
         run_threaded(body, 2, timeout=30)
+
+
+def test_the_cpu_cost_probe_raises_within_its_timeout_when_a_rank_does_not_take_part():
+    import time
+    from datetime import timedelta
+
+    from gradsync.planning.planner import measure_comm_cpu
+    from gradsync.testing import RankError, run_threaded
+
+    def body(rank, group):
+        if rank == 0:  # rank 1 never probes: rank 0 must give up, not wait forever
+            measure_comm_cpu(group, 4 << 10, seconds=0.1, timeout=timedelta(seconds=1))
+        return "absent"
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0.*CPU cost probe.*(did not complete within|failed)"):
+        run_threaded(body, 2, timeout=30)
+    assert time.monotonic() - start < 20

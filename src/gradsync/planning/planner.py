@@ -356,9 +356,11 @@ def measure_comm_cpu(
     busy1, wall = busy_cpu_seconds(), time.perf_counter() - start
     time.sleep(wall)  # the idle baseline over as long
     busy2 = busy_cpu_seconds()
-    found = busy0 is not None and busy1 is not None and busy2 is not None
-    cost = ((busy1 - busy0) - (busy2 - busy1)) / count * 1e3 if found else -1.0  # type: ignore[operator]
-    agreed = torch.tensor([wall / count * 1e3, max(cost, 0.0) if found else -1.0], dtype=torch.float64)
+    if busy0 is None or busy1 is None or busy2 is None:
+        cost = -1.0  # no /proc/stat: None below
+    else:
+        cost = max(((busy1 - busy0) - (busy2 - busy1)) / count * 1e3, 0.0)
+    agreed = torch.tensor([wall / count * 1e3, cost], dtype=torch.float64)
     all_reduce(group, agreed, dist.ReduceOp.MAX, "CPU cost agreement", timeout)
     wall_ms, busy_ms = agreed.tolist()
     if busy_ms < 0:
