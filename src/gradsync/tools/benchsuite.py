@@ -5,8 +5,9 @@ same seed; in every round each variant trains `--repeat` steps on the same batch
 variants rotates round by round; the first rounds are warm-up, long enough for planned
 buckets to finish their trial). Rank 0 reports medians, spreads
 and paired ratios to torch's DDP, the measured all-reduce cost, each model's communication
-floor and the CPU time an all-reduce costs the machine (and the floor that counts it), checks that every synchronising variant ended with the same parameters, and writes a
-markdown table, a JSON file and a PNG chart.
+floor and the CPU time an all-reduce costs the machine (and the floor that counts it), checks
+that every synchronising variant ended with the same parameters, and writes a markdown table,
+a JSON file and a PNG chart.
 
 Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with gradient_as_bucket_view; gradsync with
 planned buckets (`bucket_cap_mb="auto"`); no overlap (plain backward, then one flat all-reduce);
@@ -230,9 +231,11 @@ def mismatched(same: dict[str, dict[str, float]], tolerance: float = 1e-3) -> di
     return {m: diffs for m, diffs in same.items() if not all(d <= tolerance for d in diffs.values())}
 
 
-def _floor_ms(data: dict) -> float:
-    """The best a step can be: compute and communication overlapped perfectly."""
-    return max(data["result"].median("compute only") * 1e3, data["cost"].time_ms(data["nbytes"]))
+def _floor_ms(data: dict, compute_extra_ms: float = 0.0) -> float:
+    """The best a step can be: compute (plus `compute_extra_ms`) and communication overlapped
+    perfectly."""
+    compute = data["result"].median("compute only") * 1e3 + compute_extra_ms
+    return max(compute, data["cost"].time_ms(data["nbytes"]))
 
 
 def _cpu_floor_ms(data: dict) -> float | None:
@@ -240,9 +243,7 @@ def _cpu_floor_ms(data: dict) -> float | None:
     the emulated cluster and loopback): max(compute + the all-reduce's CPU per core,
     communication). None where the CPU cost was not measured."""
     cpu = data.get("comm_cpu")
-    if cpu is None:
-        return None
-    return max(data["result"].median("compute only") * 1e3 + cpu.per_core_ms, data["cost"].time_ms(data["nbytes"]))
+    return None if cpu is None else _floor_ms(data, cpu.per_core_ms)
 
 
 def _cpu_floor_lines(data: dict) -> list[str]:
