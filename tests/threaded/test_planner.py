@@ -314,25 +314,44 @@ def test_forward_without_backward_during_the_trial_repeats_the_slot():
     assert all(ms > 0 for ms in plan0.trial_ms.values())
 
 
-def test_the_trial_keeps_a_candidate_only_when_it_beats_the_current_layout_beyond_its_noise():
-    from gradsync.planning.autoplan import CURRENT, choose_layout
+def test_the_trial_screens_by_the_median_ratio_to_the_current_layout_within_each_round():
+    from gradsync.planning.autoplan import CURRENT, _round_ratios, screen_layouts
 
-    medians = {CURRENT: 25.5, "planned": 24.4, "coarse": 26.0}
-    # Lucky samples: 1.1 ms faster with 6 ms IQRs (3 ms spreads) is noise, the current layout stays.
-    assert choose_layout(medians, {CURRENT: 3.0, "planned": 3.0, "coarse": 3.0}, 0.01) == (CURRENT, 3.0)
-    # The same medians from a quiet trial: the planned layout is kept.
-    best, needed = choose_layout(medians, {CURRENT: 0.2, "planned": 0.2, "coarse": 0.2}, 0.01)
-    assert best == "planned" and needed == pytest.approx(0.255)  # the 1 % margin is the larger
-    # Clearly faster through the noise (the coarse layout on gpt_16mib at 2 Gbit/s).
-    assert choose_layout({CURRENT: 206.5, "coarse": 145.8}, {CURRENT: 8.0, "coarse": 6.0}, 0.01)[0] == "coarse"
-    assert choose_layout({CURRENT: 10.0}, {CURRENT: 0.0}, 0.01) == (CURRENT, 0.1)  # nothing else tried
+    # Round 1 ran on a loaded host: every layout slower. Paired within the round, it cancels.
+    slots = {(0, CURRENT): 100.0, (0, "planned"): 90.0, (0, "coarse"): 95.0,
+             (1, CURRENT): 200.0, (1, "planned"): 180.0, (1, "coarse"): 190.0,
+             (2, CURRENT): 100.0, (2, "planned"): 0.0, (2, "coarse"): 96.0}  # 0: a slot that measured nothing
+    assert _round_ratios(slots, "planned") == [0.9, 0.9]
+    assert _round_ratios(slots, "coarse") == pytest.approx([0.95, 0.95, 0.96])
+    assert screen_layouts({"planned": 0.9, "coarse": 0.95}, 0.01) == "planned"
+    assert screen_layouts({"planned": 0.995, "coarse": 1.2}, 0.01) == CURRENT  # none beat it by the margin
+    assert screen_layouts({}, 0.01) == CURRENT  # nothing else tried
 
 
-def test_the_trial_spread_is_half_the_interquartile_range():
-    from gradsync.planning.autoplan import _spread_ms
+def test_the_winner_is_kept_only_when_fresh_rounds_confirm_it_beyond_their_noise():
+    from gradsync.planning.autoplan import confirm_layout
 
-    assert _spread_ms([1.0, 2.0, 3.0]) == 0.0  # too few samples to say
-    assert _spread_ms([1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]) == pytest.approx((6.75 - 2.25) / 2)
+    # Lucky in the trial (0.80), ordinary on fresh rounds (0.99 median): reverted.
+    keep, needed = confirm_layout([0.97, 1.01, 0.99, 1.0], [0.8, 0.82, 0.79, 0.85, 0.97, 1.01, 0.99, 1.0], 0.01)
+    assert not keep and needed > 0.01
+    # Confirmed on fresh rounds, ratios tight: kept, and the 1 % margin is the larger bar.
+    keep, needed = confirm_layout([0.90, 0.91, 0.905, 0.9], [0.9, 0.91, 0.9, 0.9, 0.90, 0.91, 0.905, 0.9], 0.01)
+    assert keep and needed == 0.01
+    # Faster on fresh rounds, but by less than the ratios' scatter: not evidence.
+    keep, needed = confirm_layout([0.95, 0.7, 1.2, 0.94], [0.6, 1.3, 0.9, 1.1, 0.95, 0.7, 1.2, 0.94], 0.01)
+    assert not keep and needed > 0.05
+    # Clearly faster through the noise (a coarse layout on gpt_16mib at 2 Gbit/s).
+    assert confirm_layout([0.72, 0.70, 0.75, 0.69], [0.7, 0.74, 0.73, 0.68, 0.72, 0.70, 0.75, 0.69], 0.01)[0]
+    assert confirm_layout([], [], 0.01)[0] is False  # nothing measured: nothing kept
+
+
+def test_the_noise_of_a_median_is_its_standard_error_from_the_spread():
+    from gradsync.planning.autoplan import _median_error
+
+    assert _median_error([1.0, 2.0, 3.0], 3) == 0.0  # too few samples to say
+    samples = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert _median_error(samples, 4) == pytest.approx(1.2533 * (6.75 - 2.25) / 1.349 / 2)
+    assert _median_error(samples, 16) == pytest.approx(_median_error(samples, 4) / 2)
 
 
 def test_the_probe_during_compute_queues_collectives_and_agrees_across_ranks():

@@ -3,16 +3,22 @@
 1. After `warmup` synchronised iterations (the first rebuild included) every rank plans from the
    same inputs: per-parameter ready times are all-reduced (the slowest rank's, since it decides
    when a bucket can go) and the cost model is agreed in the probe, so the deterministic planner
-   gives every rank the same layout without sending the layout itself. Four candidates come out:
-   the plan under the probed cost, coarser ones under four and sixteen times its latency (the
+   gives every rank the same layout without sending the layout itself. Five candidates come out:
+   the plan under the probed cost, coarser ones under 4, 16 and 64 times its latency (the
    probe is short and backward is not a matrix-product loop), and one bucket (per dtype and
    device: no overlap, fewest collectives).
 2. A trial interleaves the candidates with the current layout, round after round, a few
    iterations each (the first after a switch is not counted). Training goes on meanwhile: a
-   layout changes where gradients are summed, never what is summed.
-3. The layout with the lowest median (agreed across ranks) is installed if it beat the current
-   one by more than the trial's own noise (`choose_layout`): never one measured slower, nor one
-   that only drew lucky samples.
+   layout changes where gradients are summed, never what is summed. Each candidate is scored
+   by its time relative to the current layout's in the same round (paired: a round's load on
+   a shared host is common to both), the median over rounds.
+3. The best-scoring candidate, if any beat the current layout, is confirmed on fresh
+   iterations, alone against the current layout, for as many rounds again; it is installed
+   only if it is faster there by more than `margin` and the noise of its ratio
+   (`confirm_layout`). The best of several noisy scores is flattered by its own luck (on the
+   emulated 2 Gbit/s hosts a GPT's 22-bucket plan scored 198 against 226 ms, then ran 0.97
+   of the default in the steps that followed), so the keep-or-revert decision is never made
+   on the samples that chose the winner.
 4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
@@ -51,9 +57,11 @@ from .planner import (
     probe_under_load,
 )
 
-__all__ = ["AutoBuckets", "BucketPlan", "choose_layout"]
+__all__ = ["AutoBuckets", "BucketPlan", "confirm_layout", "screen_layouts"]
 
-CURRENT, PLANNED, COARSE, COARSER, ONE = "current", "planned", "coarse", "coarser", "one bucket"
+CURRENT, PLANNED, ONE = "current", "planned", "one bucket"
+LADDER = (("coarse", 4), ("coarser", 16), ("coarsest", 64))
+"""Coarser candidates: the plan under this many times the probed latency."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,14 +84,22 @@ class BucketPlan:
     """Whether a new layout replaced the previous one (None until decided)."""
     trial_ms: dict[str, float] = dataclasses.field(default_factory=dict)
     """Median measured time per candidate layout in the trial (agreed across ranks)."""
+    trial_ratio: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each candidate's score in the trial: the median over rounds of its time over the
+    current layout's in the same round."""
+    confirmed_ratio: float | None = None
+    """The trial's winner against the current layout on fresh iterations (None if no
+    candidate scored better than the current layout, so nothing was confirmed)."""
+    winner: str | None = None
+    """The candidate that scored best in the trial, if any beat the current layout."""
     chosen: str | None = None
     replans: int = 0
     """How many times timings drifted and the plan was made again before this one."""
     saturated: bool = False
     """Planned for a saturated CPU host: cost probed under load, nothing overlapping."""
-    needed_ms: float = 0.0
-    """How much faster than the current layout a candidate had to measure to be kept: the
-    margin or the trial's noise, whichever is larger (`choose_layout`)."""
+    needed: float = 0.0
+    """How far below 1 the confirmed ratio had to be for the winner to be kept: the margin
+    or the noise of that ratio, whichever is larger (`confirm_layout`)."""
     contention: float | None = None
     """The measured share of an all-reduce that competes with compute (0: hides entirely,
     1: takes turns with it; `planner.measure_contention`), None if not measured."""
@@ -99,12 +115,16 @@ class BucketPlan:
             verdict = "reverted: the current layout measured fastest"
         after = f"{self.measured_after_ms:.3f}" if self.measured_after_ms is not None else "?"
         trial = ", ".join(f"{k} {v:.3f}" for k, v in self.trial_ms.items())
+        ratios = ", ".join(f"{k} x{v:.3f}" for k, v in self.trial_ratio.items())
+        confirmed = ("" if self.confirmed_ratio is None else
+                     f"; the {self.winner} layout confirmed at x{self.confirmed_ratio:.3f} "
+                     f"(needed below x{1 - self.needed:.3f})")
         return (
             f"planned {len(self.layout)} buckets (was {len(self.previous_layout)}) at iteration "
             f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
             f"{self.default_finish_ms:.3f} ms; measured {after} ms vs "
-            f"{self.measured_before_ms:.3f} ms ({verdict}; trial medians ms: {trial or '-'}"
-            f"{f', needed {self.needed_ms:.3f} faster' if self.kept is not None else ''}); "
+            f"{self.measured_before_ms:.3f} ms ({verdict}; trial medians ms: {trial or '-'}; "
+            f"against the current layout: {ratios or '-'}{confirmed}); "
             f"{'' if self.contention is None else f'contention {self.contention:.2f}, '}"
             f"all-reduce{' under load (saturated CPU host)' if self.saturated else ''} ≈ "
             f"{self.cost.alpha_ms:.3f} ms + {self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
@@ -113,13 +133,25 @@ class BucketPlan:
 
 @dataclasses.dataclass
 class _Trial:
-    """Which candidate each coming iteration runs, and the times measured so far."""
+    """Which layout each coming iteration runs (round, name), and the times measured so far."""
 
     layouts: dict[str, list[list[int]]]
-    schedule: list[str]
-    samples: dict[str, list[float]]
+    schedule: list[tuple[int, str]]
+    samples: dict[tuple[int, str], list[float]]
+    confirming: str | None = None  # the screening's winner, now alone against the current layout
+    screened: dict[tuple[int, str], float] | None = None  # the screening's agreed slot times
     position: int = 0
     running: int | None = None  # reducer iteration the last scheduled slot started
+
+    @classmethod
+    def of(cls, layouts: dict[str, list[list[int]]], rounds: int, per_slot: int, **kw: object) -> _Trial:
+        """Every layout `per_slot` iterations a round, the order rotated each round (no
+        layout always first)."""
+        names, schedule = list(layouts), []
+        for r in range(rounds):
+            for name in names[r % len(names) :] + names[: r % len(names)]:
+                schedule += [(r, name)] * per_slot
+        return cls(layouts, schedule, {slot: [] for slot in dict.fromkeys(schedule)}, **kw)  # type: ignore[arg-type]
 
 
 class AutoBuckets:
@@ -188,18 +220,14 @@ class AutoBuckets:
         if not saturated:
             # A latency ladder: a short probe of a matrix-product loop is not backward, and on
             # the emulated 2 Gbit/s hosts the plan at four times the probed latency beat the plan
-            # itself in every trial (153 against 169 ms, 113 against 118).
+            # itself in every trial (153 against 169 ms, 113 against 118), and a GPT ran fastest
+            # with 2 MiB buckets, 8 where the plan had 22.
             others += [(name, _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * k, cost.beta_ms_per_byte)))
-                       for name, k in ((COARSE, 4), (COARSER, 16))] + [(ONE, one)]
+                       for name, k in LADDER] + [(ONE, one)]
         for name, layout in others:
             if all(layout != other for other in layouts.values()):
                 layouts[name] = layout
-        names = list(layouts)
-        schedule = []
-        for r in range(self.rounds):  # rotate the order each round: no candidate always first
-            for name in names[r % len(names) :] + names[: r % len(names)]:
-                schedule += [name] * self.per_slot
-        self._trial = _Trial(layouts, schedule, {name: [] for name in names})
+        self._trial = _Trial.of(layouts, self.rounds, self.per_slot)
         log.info("rank %d: %s", reducer.rank, self.plan)
         self._advance_trial(reducer, self._trial)
 
@@ -210,28 +238,54 @@ class AutoBuckets:
             if finished != trial.running:  # a forward without backward: run the slot again
                 trial.running = reducer.iteration + 1
                 return
-            opened_slot = pos == 1 or trial.schedule[pos - 2] != trial.schedule[pos - 1]
-            if not opened_slot or self.per_slot == 1:  # a slot's first paid for the switch
+            switched = pos == 1 or trial.schedule[pos - 2][1] != trial.schedule[pos - 1][1]
+            if not switched or self.per_slot == 1:  # the first after a switch paid for it
                 trial.samples[trial.schedule[pos - 1]].append(_total_ms(reducer.history[-1]))
         if pos == len(trial.schedule):
-            self._decide(reducer, trial)
+            if trial.confirming is None:
+                self._screened(reducer, trial)
+            else:
+                self._decide(reducer, trial)
             return
-        if pos == 0 or trial.schedule[pos] != trial.schedule[pos - 1]:
-            reducer.install_layout(trial.layouts[trial.schedule[pos]])
+        if pos == 0 or trial.schedule[pos][1] != trial.schedule[pos - 1][1]:
+            reducer.install_layout(trial.layouts[trial.schedule[pos][1]])
         trial.position = pos + 1
         trial.running = reducer.iteration + 1  # the iteration this forward prepares
 
-    def _decide(self, reducer: Reducer, trial: _Trial) -> None:
-        names = list(trial.samples)
-        agreed = _agreed_max(reducer, [statistics.median(trial.samples[n]) for n in names]
-                             + [_spread_ms(trial.samples[n]) for n in names])
-        medians, spreads = dict(zip(names, agreed)), dict(zip(names, agreed[len(names):]))
-        best, needed = choose_layout(medians, spreads, self.margin)
-        reducer.install_layout(trial.layouts[best])
+    def _screened(self, reducer: Reducer, trial: _Trial) -> None:
+        """Screening done: confirm its winner on fresh rounds, or decide if none beat the
+        current layout."""
+        slots = _agreed_slots(reducer, trial)
+        scores = {name: _median_or_inf(_round_ratios(slots, name)) for name in trial.layouts if name != CURRENT}
+        winner = screen_layouts(scores, self.margin)
         assert self.plan is not None
+        self.plan = dataclasses.replace(self.plan, trial_ms=_medians(slots, list(trial.layouts)),
+                                        trial_ratio=scores, winner=None if winner == CURRENT else winner)
+        if winner == CURRENT:
+            self._decide(reducer, dataclasses.replace(trial, screened=slots))
+            return
+        layouts = {CURRENT: trial.layouts[CURRENT], winner: trial.layouts[winner]}
+        self._trial = _Trial.of(layouts, self.rounds, self.per_slot, confirming=winner, screened=slots)
+        log.info("rank %d: confirming the %s layout (x%.3f in the trial) against the current one",
+                 reducer.rank, winner, scores[winner])
+        self._advance_trial(reducer, self._trial)
+
+    def _decide(self, reducer: Reducer, trial: _Trial) -> None:
+        assert self.plan is not None and trial.screened is not None
+        best, fresh, needed = CURRENT, None, 0.0
+        if trial.confirming is not None:
+            slots = _agreed_slots(reducer, trial)
+            fresh = _round_ratios(slots, trial.confirming)
+            keep, needed = confirm_layout(fresh, _round_ratios(trial.screened, trial.confirming) + fresh, self.margin)
+            best = trial.confirming if keep else CURRENT
+            after = _medians(slots, [best])[best]
+        else:
+            after = self.plan.trial_ms[CURRENT]
+        reducer.install_layout(trial.layouts[best])
         self.plan = dataclasses.replace(
-            self.plan, measured_before_ms=medians[CURRENT], measured_after_ms=medians[best],
-            kept=best != CURRENT, trial_ms=medians, chosen=best, needed_ms=needed,
+            self.plan, measured_before_ms=self.plan.trial_ms[CURRENT], measured_after_ms=after,
+            kept=best != CURRENT, chosen=best, needed=needed,
+            confirmed_ratio=None if fresh is None else _median_or_inf(fresh),
         )
         self._trial, self._baseline_ms = None, None
         self._watched_at = reducer.iteration
@@ -282,26 +336,57 @@ def _plan(reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostMod
     return [[order[p] for p in bucket] for bucket in positions]
 
 
-def choose_layout(medians: dict[str, float], spreads: dict[str, float], margin: float) -> tuple[str, float]:
-    """The trial's verdict: the fastest candidate, if it beat the current layout by more than
-    `margin` of it and by more than the trial's noise (the mean of the two candidates' spreads,
-    `_spread_ms`); else the current layout. Also returns how many ms faster it had to be.
+def screen_layouts(scores: dict[str, float], margin: float) -> str:
+    """The trial's winner: the candidate with the lowest score (time over the current
+    layout's), if below 1 - `margin`; else the current layout (nothing to confirm)."""
+    if not scores:
+        return CURRENT
+    best = min(scores, key=lambda n: scores[n])
+    return best if scores[best] < 1 - margin else CURRENT
+
+
+def confirm_layout(fresh: list[float], all_ratios: list[float], margin: float) -> tuple[bool, float]:
+    """Keep the winner if its median ratio on the fresh rounds is below 1 by more than
+    `margin` and by more than that median's noise (its standard error, from the spread of
+    every ratio it measured: the screening's and the fresh ones). Also returns that bar.
 
     Without the noise term a trial of a few steps on a noisy host keeps layouts that only drew
     lucky samples (measured: 3 buckets kept at 24.4 against 25.5 ms, IQRs of 6 ms, and the
     whole step 12 % slower than before)."""
-    best = min(medians, key=lambda n: medians[n])
-    needed = max(margin * medians[CURRENT], (spreads[best] + spreads[CURRENT]) / 2)
-    return (best if medians[CURRENT] - medians[best] > needed else CURRENT), needed
+    needed = max(margin, _median_error(all_ratios, len(fresh)))
+    return _median_or_inf(fresh) < 1 - needed, needed
 
 
-def _spread_ms(samples: list[float]) -> float:
-    """Half the interquartile range: about the standard error of a difference between two
-    medians of the trial's 6-12 samples (0 below 4 samples)."""
-    if len(samples) < 4:
+def _median_error(samples: list[float], n: int) -> float:
+    """The standard error of a median of `n` draws from where `samples` came from: the
+    spread as a normal's deviation (IQR / 1.349) times 1.2533 / sqrt(n). 0 below 4 samples."""
+    if len(samples) < 4 or n < 1:
         return 0.0
     q1, _, q3 = statistics.quantiles(samples, n=4)
-    return (q3 - q1) / 2
+    return 1.2533 * (q3 - q1) / 1.349 / n**0.5
+
+
+def _agreed_slots(reducer: Reducer, trial: _Trial) -> dict[tuple[int, str], float]:
+    """Each slot's mean time, the slowest rank's (0 where a slot measured nothing): the same
+    numbers on every rank, in the schedule's order, so every rank decides alike."""
+    slots = list(trial.samples)
+    means = [statistics.fmean(trial.samples[s]) if trial.samples[s] else 0.0 for s in slots]
+    return dict(zip(slots, _agreed_max(reducer, means)))
+
+
+def _round_ratios(slots: dict[tuple[int, str], float], name: str) -> list[float]:
+    """`name`'s time over the current layout's, round by round (rounds missing either skipped)."""
+    rounds = sorted({r for r, _ in slots})
+    return [slots[(r, name)] / slots[(r, CURRENT)] for r in rounds
+            if slots.get((r, name), 0.0) > 0 and slots.get((r, CURRENT), 0.0) > 0]
+
+
+def _medians(slots: dict[tuple[int, str], float], names: list[str]) -> dict[str, float]:
+    return {n: statistics.median([v for (_, m), v in slots.items() if m == n and v > 0] or [0.0]) for n in names}
+
+
+def _median_or_inf(values: list[float]) -> float:
+    return statistics.median(values) if values else float("inf")
 
 
 def _total_ms(timeline: IterationTimeline) -> float:

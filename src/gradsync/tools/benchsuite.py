@@ -34,7 +34,9 @@ from .bench import Comparison, interleave, markdown_table, timed
 
 __all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "main", "mismatched"]
 
-AUTO_SETTLES = 3 + 4 * 5 * 3 + 1  # AutoBuckets: warm-up, 4 rounds x up to 5 layouts x 3 steps, decide
+# AutoBuckets: warm-up, 4 rounds x up to 6 layouts x 3 steps, 4 rounds confirming the winner
+# against the current layout, decide.
+AUTO_SETTLES = 3 + 4 * 6 * 3 + 4 * 2 * 3 + 1
 VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
 
 
