@@ -276,7 +276,8 @@ class AutoBuckets:
         if trial.confirming is not None:
             slots = _agreed_slots(reducer, trial)
             fresh = _round_ratios(slots, trial.confirming)
-            keep, needed = confirm_layout(fresh, _round_ratios(trial.screened, trial.confirming) + fresh, self.margin)
+            screened = {n: _round_ratios(trial.screened, n) for n in self.plan.trial_ratio}
+            keep, needed = confirm_layout(fresh, [*screened.values(), fresh], self.margin)
             best = trial.confirming if keep else CURRENT
             after = _medians(slots, [best])[best]
         else:
@@ -345,25 +346,31 @@ def screen_layouts(scores: dict[str, float], margin: float) -> str:
     return best if scores[best] < 1 - margin else CURRENT
 
 
-def confirm_layout(fresh: list[float], all_ratios: list[float], margin: float) -> tuple[bool, float]:
+def confirm_layout(fresh: list[float], every: list[list[float]], margin: float) -> tuple[bool, float]:
     """Keep the winner if its median ratio on the fresh rounds is below 1 by more than
-    `margin` and by more than that median's noise (its standard error, from the spread of
-    every ratio it measured: the screening's and the fresh ones). Also returns that bar.
+    `margin` and by more than that median's noise. Also returns that bar.
+
+    The noise is the standard error of a median of `len(fresh)` ratios, from how far every
+    candidate's ratios (`every`: the screening's per candidate, and the fresh ones) scatter
+    about their own median: pooled, so a few rounds give a steady figure, and about each
+    candidate's own median, so the winner's lucky screening does not count as scatter.
 
     Without the noise term a trial of a few steps on a noisy host keeps layouts that only drew
     lucky samples (measured: 3 buckets kept at 24.4 against 25.5 ms, IQRs of 6 ms, and the
     whole step 12 % slower than before)."""
-    needed = max(margin, _median_error(all_ratios, len(fresh)))
+    scatter = [r - statistics.median(rs) for rs in every if rs for r in rs]
+    needed = max(margin, _median_error(scatter, len(fresh)))
     return _median_or_inf(fresh) < 1 - needed, needed
 
 
-def _median_error(samples: list[float], n: int) -> float:
-    """The standard error of a median of `n` draws from where `samples` came from: the
-    spread as a normal's deviation (IQR / 1.349) times 1.2533 / sqrt(n). 0 below 4 samples."""
-    if len(samples) < 4 or n < 1:
+def _median_error(deviations: list[float], n: int) -> float:
+    """The standard error of a median of `n` draws whose deviations from their centre look
+    like `deviations`: 1.2533 sigma / sqrt(n), sigma from the median absolute deviation
+    (x 1.4826, a normal's). 0 below 4 deviations: too few to say."""
+    if len(deviations) < 4 or n < 1:
         return 0.0
-    q1, _, q3 = statistics.quantiles(samples, n=4)
-    return 1.2533 * (q3 - q1) / 1.349 / n**0.5
+    sigma = 1.4826 * statistics.median(abs(d) for d in deviations)
+    return 1.2533 * sigma / n**0.5
 
 
 def _agreed_slots(reducer: Reducer, trial: _Trial) -> dict[tuple[int, str], float]:
