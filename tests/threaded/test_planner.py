@@ -402,3 +402,28 @@ def test_the_cpu_cost_probe_raises_within_its_timeout_when_a_rank_does_not_take_
     with pytest.raises(RankError, match=r"rank 0.*CPU cost probe.*(did not complete within|failed)"):
         run_threaded(body, 2, timeout=30)
     assert time.monotonic() - start < 20
+
+
+def test_the_trials_agreement_gives_up_within_the_reducers_own_timeout():
+    import time
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch
+
+    from gradsync.engine.config import ReducerConfig
+    from gradsync.planning.autoplan import _agreed_max
+    from gradsync.testing import RankError, run_threaded
+
+    def body(rank, group):
+        if rank == 0:  # rank 1 never agrees: rank 0 gives up after the configured 1 s, not 30 min
+            reducer = SimpleNamespace(process_group=group, config=ReducerConfig(timeout=timedelta(seconds=1)),
+                                      buckets=[SimpleNamespace(buffer=torch.zeros(1))])
+            _agreed_max(reducer, [1.0])
+        time.sleep(5)  # present but silent: rank 0 must give up on its own clock, not on a closed link
+        return "absent"
+
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 0.*agreement on measured timings.*did not complete within 0:00:01"):
+        run_threaded(body, 2, timeout=30)
+    assert time.monotonic() - start < 20

@@ -13,7 +13,9 @@
    by its time relative to the current layout's in the same round (paired: a round's load on
    a shared host is common to both), the median over rounds.
 3. The best-scoring candidate, if any beat the current layout, is confirmed on fresh
-   iterations, alone against the current layout, for as many rounds again; it is installed
+   iterations, alone against the current layout, for `confirm_rounds` rounds (three times the
+   screening's: a median of four ratios let one run of bad rounds revert a layout that every
+   fixed cap near it beat torch's DDP with by 11-15 %); it is installed
    only if it is faster there by more than `margin` and the noise of its ratio
    (`confirm_layout`). The best of several noisy scores is flattered by its own luck (on the
    emulated 2 Gbit/s hosts a GPT's 22-bucket plan scored 198 against 226 ms, then ran 0.97
@@ -156,7 +158,8 @@ class _Trial:
 
 class AutoBuckets:
     """Plan after `warmup` iterations, trial the candidates for `rounds` rounds of `per_slot`
-    iterations each, keep the fastest; watch for drift every `drift_every` iterations."""
+    iterations each, confirm the winner for `confirm_rounds` more, keep the fastest; watch for
+    drift every `drift_every` iterations."""
 
     def __init__(
         self,
@@ -164,12 +167,14 @@ class AutoBuckets:
         window: int = 2,
         rounds: int = 4,
         per_slot: int = 3,
+        confirm_rounds: int = 12,
         margin: float = 0.01,
         drift: float = 0.3,
         drift_every: int = 50,
         max_replans: int = 2,
     ) -> None:
         self.warmup, self.window, self.rounds, self.per_slot = warmup, window, rounds, per_slot
+        self.confirm_rounds = confirm_rounds
         self.margin, self.drift, self.drift_every, self.max_replans = margin, drift, drift_every, max_replans
         self.saturated: bool | None = None
         """Force the saturated-host model on or off; None: detect it (every rank must agree)."""
@@ -265,7 +270,7 @@ class AutoBuckets:
             self._decide(reducer, dataclasses.replace(trial, screened=slots))
             return
         layouts = {CURRENT: trial.layouts[CURRENT], winner: trial.layouts[winner]}
-        self._trial = _Trial.of(layouts, self.rounds, self.per_slot, confirming=winner, screened=slots)
+        self._trial = _Trial.of(layouts, self.confirm_rounds, self.per_slot, confirming=winner, screened=slots)
         log.info("rank %d: confirming the %s layout (x%.3f in the trial) against the current one",
                  reducer.rank, winner, scores[winner])
         self._advance_trial(reducer, self._trial)
@@ -408,4 +413,5 @@ def _median_total_ms(timelines: list) -> float:
 def _agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
     """Each value's maximum over the ranks: the same inputs, hence the same decisions, everywhere."""
     agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
-    return all_reduce(reducer.process_group, agreed, dist.ReduceOp.MAX, "agreement on measured timings").tolist()
+    what = "agreement on measured timings (bucket_cap_mb='auto')"
+    return all_reduce(reducer.process_group, agreed, dist.ReduceOp.MAX, what, reducer.config.timeout).tolist()

@@ -28,15 +28,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..planning.autoplan import AutoBuckets
 from ..planning.planner import measure_comm_cpu, probe_cost_model, probe_sizes
 from ..wrapper.ddp import DistributedDataParallel
 from .bench import Comparison, interleave, markdown_table, timed
 
 __all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "main", "mismatched"]
 
-# AutoBuckets: warm-up, 4 rounds x up to 6 layouts x 3 steps, 4 rounds confirming the winner
-# against the current layout, decide.
-AUTO_SETTLES = 3 + 4 * 6 * 3 + 4 * 2 * 3 + 1
+# AutoBuckets: warm-up, its rounds x up to 6 layouts x its slot, its confirming rounds of the
+# winner against the current layout (2 layouts), decide.
+_AUTO = AutoBuckets()
+AUTO_SETTLES = _AUTO.warmup + (_AUTO.rounds * 6 + _AUTO.confirm_rounds * 2) * _AUTO.per_slot + 1
 VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
 
 
