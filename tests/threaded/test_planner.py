@@ -240,7 +240,7 @@ def _forced_revert(rank, group):
         return torch.nn.Sequential(*[torch.nn.Linear(8 if i == 0 else 512, 512) for i in range(3)])
 
     ddp = GradsyncDDP(seeded(wide, 0), process_group=group, bucket_cap_mb="auto")
-    ddp._auto.rounds, ddp._auto.per_slot = 1, 1
+    ddp._auto.rounds, ddp._auto.per_slot, ddp._auto.confirm_rounds = 1, 1, 1
     ddp._auto.margin = 10.0  # no candidate can be faster enough: the current layout stays
     layouts = []
     for _ in range(8):
@@ -273,7 +273,7 @@ def _drifting(rank, group):
 
     ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
     auto = ddp._auto
-    auto.rounds, auto.per_slot, auto.drift_every, auto.max_replans = 1, 1, 2, 2
+    auto.rounds, auto.per_slot, auto.confirm_rounds, auto.drift_every, auto.max_replans = 1, 1, 1, 2, 2
     auto.drift = -1.0  # any change counts as drift
     replans = []
     for _ in range(30):
@@ -302,7 +302,7 @@ def test_forward_without_backward_during_the_trial_repeats_the_slot():
         from gradsync.testing import seeded
 
         ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
-        ddp._auto.rounds, ddp._auto.per_slot = 1, 1
+        ddp._auto.rounds, ddp._auto.per_slot, ddp._auto.confirm_rounds = 1, 1, 1
         for step in range(12):
             out = ddp(torch.ones(4, 8))
             if step != 4:  # a forward whose output is never backpropagated, mid-trial
