@@ -427,3 +427,29 @@ def test_the_trials_agreement_gives_up_within_the_reducers_own_timeout():
     with pytest.raises(RankError, match=r"rank 0.*agreement on measured timings.*did not complete within 0:00:01"):
         run_threaded(body, 2, timeout=30)
     assert time.monotonic() - start < 20
+
+
+def test_the_first_plan_is_decided_within_decided_by_iterations():
+    from gradsync.testing import run_threaded
+
+    def body(rank, group):
+        import torch
+        from models import MODELS
+
+        from gradsync import DistributedDataParallel as GradsyncDDP
+        from gradsync.testing import seeded
+
+        ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+        auto = ddp._auto
+        auto.rounds, auto.per_slot, auto.confirm_rounds = 2, 1, 3
+        auto.margin = -10.0  # every candidate beats the margin: the screening always has a winner to confirm
+        auto.saturated = False  # overlap allowed: candidates other than one bucket
+        for _ in range(auto.decided_by):
+            ddp(torch.ones(4, 8)).sum().backward()
+        ddp(torch.ones(4, 8))  # the decision is taken at a forward
+        return ddp.bucket_plan(), auto.decided_by
+
+    (plan0, decided_by), (plan1, _) = run_threaded(body, 2)
+    assert decided_by == 3 + (2 * 6 + 3 * 2) * 1 + 1
+    assert plan0.kept is not None and plan0.kept == plan1.kept
+    assert plan0.winner is not None  # a winner was confirmed (kept or not): the trial's longest path

@@ -183,6 +183,14 @@ class AutoBuckets:
         self._baseline_ms: float | None = None
         self._watched_at = 0
 
+    @property
+    def decided_by(self) -> int:
+        """Iterations by which the first plan is decided, at most: the warm-up, the screening
+        (the current layout, the plan, the ladder and one bucket each round), the confirmation
+        (two layouts a round), the decision."""
+        layouts = 3 + len(LADDER)
+        return self.warmup + (self.rounds * layouts + self.confirm_rounds * 2) * self.per_slot + 1
+
     def maybe_plan(self, reducer: Reducer) -> None:
         """Call at every synchronised forward, before the reducer prepares the iteration."""
         if self._trial is not None:

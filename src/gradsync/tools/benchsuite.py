@@ -35,10 +35,6 @@ from .bench import Comparison, interleave, markdown_table, timed
 
 __all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "main", "mismatched"]
 
-# AutoBuckets: warm-up, its rounds x up to 6 layouts x its slot, its confirming rounds of the
-# winner against the current layout (2 layouts), decide.
-_AUTO = AutoBuckets()
-AUTO_SETTLES = _AUTO.warmup + (_AUTO.rounds * 6 + _AUTO.confirm_rounds * 2) * _AUTO.per_slot + 1
 VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
 
 
@@ -188,7 +184,8 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
     variants = {v: _make_variant(v, model_name, rank, repeat, models) for v in VARIANTS}
     # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
     # (every variant trains the same steps, so all still end with the same parameters).
-    result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(AUTO_SETTLES / repeat)))
+    settles = AutoBuckets().decided_by
+    result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(settles / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]
