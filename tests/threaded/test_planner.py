@@ -371,60 +371,50 @@ def test_the_probe_during_compute_queues_collectives_and_agrees_across_ranks():
     assert first.alpha_ms > 0 and first.beta_ms_per_byte >= 0
 
 
-def test_the_probe_during_compute_raises_when_a_rank_does_not_take_part():
-    from datetime import timedelta
-
+def _probe_during_compute(group, timeout):
     from gradsync.planning.planner import probe_during_compute
-    from gradsync.testing import RankError, run_threaded
 
-    def body(rank, group):
-        if rank == 0:  # rank 1 never probes: rank 0 must give up, not compute forever
-            probe_during_compute(group, sizes=(4 << 10,), repeats=1, timeout=timedelta(seconds=1))
-        return "absent"
-
-    with pytest.raises(RankError, match=r"rank 0.*cost-model probe during compute.*(did not complete within|failed)"):
-        run_threaded(body, 2, timeout=30)
+    probe_during_compute(group, sizes=(4 << 10,), repeats=1, timeout=timeout)
 
 
-def test_the_cpu_cost_probe_raises_within_its_timeout_when_a_rank_does_not_take_part():
-    import time
-    from datetime import timedelta
-
+def _cpu_cost_probe(group, timeout):
     from gradsync.planning.planner import measure_comm_cpu
-    from gradsync.testing import RankError, run_threaded
 
-    def body(rank, group):
-        if rank == 0:  # rank 1 never probes: rank 0 must give up, not wait forever
-            measure_comm_cpu(group, 4 << 10, seconds=0.1, timeout=timedelta(seconds=1))
-        return "absent"
-
-    start = time.monotonic()
-    with pytest.raises(RankError, match=r"rank 0.*CPU cost probe.*(did not complete within|failed)"):
-        run_threaded(body, 2, timeout=30)
-    assert time.monotonic() - start < 20
+    measure_comm_cpu(group, 4 << 10, seconds=0.1, timeout=timeout)
 
 
-def test_the_trials_agreement_gives_up_within_the_reducers_own_timeout():
-    import time
-    from datetime import timedelta
+def _trial_agreement(group, timeout):
     from types import SimpleNamespace
 
     import torch
 
     from gradsync.engine.config import ReducerConfig
     from gradsync.planning.autoplan import _agreed_max
+
+    reducer = SimpleNamespace(process_group=group, config=ReducerConfig(timeout=timeout),
+                              buckets=[SimpleNamespace(buffer=torch.zeros(1))])
+    _agreed_max(reducer, [1.0])
+
+
+@pytest.mark.parametrize("call, what", [
+    (_probe_during_compute, "cost-model probe during compute"),
+    (_cpu_cost_probe, "CPU cost probe"),
+    (_trial_agreement, "agreement on measured timings"),  # under the reducer's own timeout
+])
+def test_each_planning_collective_gives_up_within_its_timeout_when_a_rank_does_not_take_part(call, what):
+    import time
+    from datetime import timedelta
+
     from gradsync.testing import RankError, run_threaded
 
     def body(rank, group):
-        if rank == 0:  # rank 1 never agrees: rank 0 gives up after the configured 1 s, not 30 min
-            reducer = SimpleNamespace(process_group=group, config=ReducerConfig(timeout=timedelta(seconds=1)),
-                                      buckets=[SimpleNamespace(buffer=torch.zeros(1))])
-            _agreed_max(reducer, [1.0])
-        time.sleep(5)  # present but silent: rank 0 must give up on its own clock, not on a closed link
+        if rank == 0:  # rank 1 never takes part: rank 0 must give up after its 1 s, not wait 30 min
+            call(group, timedelta(seconds=1))
+        time.sleep(5)  # present but silent: rank 0 gives up on its own clock, not on a closed link
         return "absent"
 
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"rank 0.*agreement on measured timings.*did not complete within 0:00:01"):
+    with pytest.raises(RankError, match=rf"rank 0.*{what}.*did not complete within 0:00:01"):
         run_threaded(body, 2, timeout=30)
     assert time.monotonic() - start < 20
 
