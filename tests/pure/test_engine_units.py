@@ -134,4 +134,37 @@ def test_large_gradients_taken_at_their_hooks_fill_the_bucket_as_one_fill_would(
     early.fill(divisor, as_view=False)  # the last one's arrival: only the rest copied now
     assert torch.equal(early.buffer, whole.buffer)
     early.reset()
-    assert not early._any_copied  # a new iteration copies afresh
+    assert early._n_copied == 0 and not any(early._copied)  # a new iteration copies afresh
+
+
+def test_a_large_gradient_missing_at_its_hook_is_zeroed_by_the_fill_and_the_rest_kept():
+    params = _params((70_000,), (5,), (40_000,))
+    params[1].grad, params[2].grad = torch.full((5,), 4.0), torch.full((40_000,), 8.0)
+    bucket = Bucket(0, [0, 1, 2], params)
+    bucket.buffer.fill_(float("nan"))  # the buffer is never zeroed up front: the fill must write it all
+    bucket.take_one(0, 2, as_view=False)  # no gradient yet: left for the fill
+    bucket.take_one(2, 2, as_view=False)
+    bucket.fill(2, as_view=False)
+    assert torch.equal(bucket.views[0], torch.zeros(70_000))
+    assert torch.equal(bucket.views[1], torch.full((5,), 2.0))
+    assert torch.equal(bucket.views[2], torch.full((40_000,), 4.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_a_fill_divides_as_torchs_reducer_does_in_every_float_dtype(dtype):
+    # torch's reducer writes at::mul_out(view, grad, 1 / world_size) for each gradient: the
+    # batched multiply of the small ones must round as that does (in bfloat16 and float16 too,
+    # which `_foreach_mul_` with a Python float does not on the CPU).
+    shapes = [(7,), (70_000,), (192,), (3, 5), (40_000,), (1,)]
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=dtype)) for s in shapes]
+    generator = torch.Generator().manual_seed(0)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=generator).to(dtype) * 3
+    for early in (False, True):
+        bucket = Bucket(0, list(range(len(params))), params)
+        if early:
+            bucket.take_one(4, 3, as_view=False)
+            bucket.take_one(1, 3, as_view=False)
+        bucket.fill(3, as_view=False)
+        for p, view in zip(params, bucket.views):
+            assert torch.equal(view, torch.mul(p.grad, 1.0 / 3)), (dtype, early, p.shape)

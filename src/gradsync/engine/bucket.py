@@ -96,8 +96,13 @@ class Bucket:
         # at its hook: the bucket's launch then waits only for its last gradient's copy, not
         # for a pass over the whole bucket. Small ones wait for the fill, copied in one batch.
         self.early = [n >= FUSED_COPY_MIN_NUMEL for n in self.lengths]
+        # The fill walks only the positions it must: the small ones, and the large ones only
+        # while some was not taken at its hook (a per-parameter Python loop is the fill's cost).
+        self._late = [j for j, large in enumerate(self.early) if not large]
+        self._early = [j for j, large in enumerate(self.early) if large]
         self._copied = [False] * len(self.params)
-        self._any_copied = False
+        self._n_copied = 0
+        self._unaliased = [False] * len(self.params)  # read only: no gradient is a view of ours
         first = self.params[0]
         # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
         # the low-precision compute dtype.
@@ -228,7 +233,8 @@ class Bucket:
             return  # zeroed by the fill
         view = self.views[position]
         _scale_into(grad, view, as_view and _aliases(grad, view), divisor)
-        self._copied[position] = self._any_copied = True
+        self._copied[position] = True
+        self._n_copied += 1
 
     def fill(self, divisor: int, as_view: bool) -> None:
         """Copy the parameters' gradients in (those not taken already), divided by `divisor`
@@ -237,8 +243,8 @@ class Bucket:
         if self.transient and not self.views:
             self.allocate()
         grads = [p.grad for p in self.params]
-        aliased = [as_view and g is not None and _aliases(g, v) for g, v in zip(grads, self.views)]
-        if self._any_copied:
+        aliased = [g is not None and _aliases(g, v) for g, v in zip(grads, self.views)] if as_view else self._unaliased
+        if self._n_copied:
             self._fill_rest(grads, aliased, divisor)
         elif not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
             self._copy_in(grads, divisor)
@@ -256,15 +262,18 @@ class Bucket:
 
     def _fill_rest(self, grads: list[torch.Tensor | None], aliased: list[bool], divisor: int) -> None:
         """The fill of a bucket some of whose gradients were taken at their hooks."""
-        views, batch = [], []
-        for j, (grad, view) in enumerate(zip(grads, self.views)):
-            if self._copied[j]:
-                continue
-            if grad is None or aliased[j] or grad.requires_grad or grad.numel() >= FUSED_COPY_MIN_NUMEL:
-                _scale_into(grad, view, aliased[j], divisor)  # a large one: scaled while copied
+        views, batch, bucket_views = [], [], self.views
+        for j in self._late:
+            grad = grads[j]
+            if grad is None or aliased[j] or grad.requires_grad:
+                _scale_into(grad, bucket_views[j], aliased[j], divisor)
             else:
-                views.append(view)
+                views.append(bucket_views[j])
                 batch.append(grad)
+        if self._n_copied < len(self._early):  # a large one without a gradient at its hook
+            for j in self._early:
+                if not self._copied[j]:
+                    _scale_into(grads[j], bucket_views[j], aliased[j], divisor)  # scaled while copied
         _copy_batch(views, batch, divisor)
 
     def _copy_in(self, grads: list[torch.Tensor | None], divisor: int) -> None:
@@ -502,9 +511,9 @@ class Bucket:
         if self.transient and self.holds_memory:  # an iteration abandoned: its collective may still run
             self.release(reusable=self.work is None or self.work.is_completed())
         self.pending = len(self.params)
-        if self._any_copied:
+        if self._n_copied:
             self._copied = [False] * len(self.params)
-            self._any_copied = False
+            self._n_copied = 0
         self.work = None
         self.landed = False  # reduced, its work dropped (a transient bucket, `Reducer._settle`)
         self.sparse_grad = None
@@ -570,7 +579,19 @@ def _copy_batch(views: list[torch.Tensor], grads: list[torch.Tensor], divisor: i
     if views:
         torch._foreach_copy_(views, grads)
         if divisor:
-            torch._foreach_mul_(views, 1.0 / divisor)
+            _foreach_scale_(views, 1.0 / divisor)
+
+
+def _foreach_scale_(views: list[torch.Tensor], factor: float) -> None:
+    """views *= factor, rounded as `torch.mul(view, factor)` rounds it (the arithmetic of
+    torch's reducer, and of `_scale_into`)."""
+    if views[0].device.type == "cpu":
+        # On the CPU the float overload rounds bfloat16 and float16 differently from
+        # torch.mul (world sizes that are not a power of two), and costs three times as much
+        # (a scalar wrapped per tensor); a 0-dim double tensor is torch.mul's own scalar.
+        torch._foreach_mul_(views, torch.tensor(factor, dtype=torch.float64))
+    else:
+        torch._foreach_mul_(views, factor)
 
 
 def _scale_into(grad: torch.Tensor | None, view: torch.Tensor, aliased: bool, divisor: int) -> None:
