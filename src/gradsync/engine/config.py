@@ -82,7 +82,8 @@ class ReducerConfig:
 
     record_events: bool = True
     """Record the per-iteration timeline (one list append per gradient); off, nothing is
-    recorded and stats are empty (for measuring what recording costs)."""
+    recorded and stats are empty (for measuring what recording costs), except the order in
+    which gradients became ready until the buckets have been rebuilt in it (without times)."""
 
     clock: Callable[[], int] = time.perf_counter_ns
     """Where timeline times come from, in nanoseconds. With parameters on a GPU the default

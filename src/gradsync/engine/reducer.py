@@ -306,7 +306,10 @@ class Reducer:
             start_ns=self._clock(),
             bucket_indices=self._layout,  # shared, not copied: a layout is never mutated
             bucket_bytes=self._layout_bytes,
-            events=[] if self.config.record_events else DiscardedEvents(),
+            # Until the buckets are rebuilt, their ready order is recorded whatever the config
+            # says: the rebuild reads it (without it the first iteration's single bucket stayed
+            # for good, and nothing overlapped).
+            events=[] if self.config.record_events or self._needs_rebuild else DiscardedEvents(),
         )
         self._timeline.forward_start_ns = self._forward_start_ns
         self._chain = self._new_chain()
