@@ -24,6 +24,7 @@ import functools
 import statistics
 import sys
 import time
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -79,14 +80,11 @@ class Minimal(nn.Module):
 
 def layout_of_sizes(params: list[torch.Tensor], sizes_mib: list[float]) -> list[list[int]]:
     """Buckets of the given sizes (the last repeated), in reverse parameter order."""
-    layout, current, nbytes = [], [], 0
-    for i in reversed(range(len(params))):
-        current.append(i)
-        nbytes += params[i].numel() * params[i].element_size()
-        if nbytes >= sizes_mib[min(len(layout), len(sizes_mib) - 1)] * MIB:
-            layout.append(current)
-            current, nbytes = [], 0
-    return layout + ([current] if current else [])
+    from gradsync import compute_bucket_assignment_by_size
+
+    order = list(reversed(range(len(params))))
+    limits = [int(size * MIB) for size in sizes_mib]
+    return compute_bucket_assignment_by_size([params[i] for i in order], limits, tensor_indices=order)[0]
 
 
 def build(variant: str, model_name: str, rank: int, state: dict):
@@ -145,7 +143,7 @@ def phases(wrapped: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> d
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # no rank waits for good on a stuck peer
     rank, state = dist.get_rank(), {}
     built = {v: build(v, args.model, rank, state) for v in args.variants.split(",")}
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in built}
