@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync.planning.planner import CostModel, fit_cost_model, plan_buckets, predict_finish_ms
+from gradsync.planning.planner import (
+    CostModel,
+    even_split,
+    fit_cost_model,
+    plan_buckets,
+    predict_finish_ms,
+)
 
 
 @pytest.mark.pure
@@ -68,6 +74,18 @@ def test_bad_input_is_refused():
         plan_buckets([2.0, 1.0], [1, 1], cost)
     with pytest.raises(ValueError, match="no gradients"):
         plan_buckets([], [], cost)
+
+
+@pytest.mark.pure
+def test_even_split_gives_equal_bytes_in_order_and_never_mixes_groups():
+    assert even_split([10] * 8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert even_split([10] * 8, 1) == [list(range(8))]
+    assert even_split([10] * 3, 5) == [[0], [1], [2]]  # fewer gradients than buckets: none empty
+    # a gradient larger than a bucket's share is a bucket of its own; the rest share evenly
+    assert even_split([1, 1, 100, 1, 1], 3) == [[0, 1], [2], [3, 4]]
+    assert even_split([10] * 4, 2, groups=["f32", "f16", "f16", "f32"]) == [[0], [1], [2], [3]]
+    with pytest.raises(ValueError, match="at least 1"):
+        even_split([1], 0)
 
 
 def _brute_force(ready, sizes, cost):
@@ -440,6 +458,6 @@ def test_the_first_plan_is_decided_within_decided_by_iterations():
         return ddp.bucket_plan(), auto.decided_by
 
     (plan0, decided_by), (plan1, _) = run_threaded(body, 2)
-    assert decided_by == 3 + (2 * 6 + 3 * 2) * 1 + 1
+    assert decided_by == 3 + (2 * 10 + 3 * 2) * 1 + 1
     assert plan0.kept is not None and plan0.kept == plan1.kept
     assert plan0.winner is not None  # a winner was confirmed (kept or not): the trial's longest path

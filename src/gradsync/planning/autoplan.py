@@ -3,10 +3,12 @@
 1. After `warmup` synchronised iterations (the first rebuild included) every rank plans from the
    same inputs: per-parameter ready times are all-reduced (the slowest rank's, since it decides
    when a bucket can go) and the cost model is agreed in the probe, so the deterministic planner
-   gives every rank the same layout without sending the layout itself. Five candidates come out:
-   the plan under the probed cost, coarser ones under 4, 16 and 64 times its latency (the
-   probe is short and backward is not a matrix-product loop), and one bucket (per dtype and
-   device: no overlap, fewest collectives).
+   gives every rank the same layout without sending the layout itself. Up to nine candidates
+   come out: the plan under the probed cost, coarser ones under 4, 16 and 64 times its latency
+   (the probe is short and backward is not a matrix-product loop), each of those four's even
+   twin (as many buckets, of equal bytes: backward stretches once buckets overlap it, so the
+   measured ready times that placed the boundaries no longer hold), and one bucket (per dtype
+   and device: no overlap, fewest collectives).
 2. A trial interleaves the candidates with the current layout, round after round, a few
    iterations each (the first after a switch is not counted). Training goes on meanwhile: a
    layout changes where gradients are summed, never what is summed. Each candidate is scored
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -50,6 +53,7 @@ from ..observability.log import log
 from .planner import (
     Contention,
     CostModel,
+    even_split,
     measure_contention,
     plan_buckets,
     predict_finish_ms,
@@ -64,6 +68,8 @@ __all__ = ["AutoBuckets", "BucketPlan", "confirm_layout", "screen_layouts"]
 CURRENT, PLANNED, ONE = "current", "planned", "one bucket"
 LADDER = (("coarse", 4), ("coarser", 16), ("coarsest", 64))
 """Coarser candidates: the plan under this many times the probed latency."""
+EVEN = "even "
+"""Prefix of each plan's twin: as many buckets, of equal bytes (`planner.even_split`)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,7 +194,7 @@ class AutoBuckets:
         """Iterations by which the first plan is decided, at most: the warm-up, the screening
         (the current layout, the plan, the ladder and one bucket each round), the confirmation
         (two layouts a round), the decision."""
-        layouts = 3 + len(LADDER)
+        layouts = 3 + len(LADDER) + 1 + len(LADDER)  # current, plan, ladder, one; the plans' even twins
         return self.warmup + (self.rounds * layouts + self.confirm_rounds * 2) * self.per_slot + 1
 
     def maybe_plan(self, reducer: Reducer) -> None:
@@ -236,7 +242,15 @@ class AutoBuckets:
             # itself in every trial (153 against 169 ms, 113 against 118), and a GPT ran fastest
             # with 2 MiB buckets, 8 where the plan had 22.
             others += [(name, _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * k, cost.beta_ms_per_byte)))
-                       for name, k in LADDER] + [(ONE, one)]
+                       for name, k in LADDER]
+            # Each plan's even twin: the ready times it is drawn from are measured before any
+            # bucket overlaps, and backward stretches once they do, so its boundaries (small
+            # buckets first, a large one last, whose all-reduce is then the tail after
+            # backward) fit a profile that no longer holds. In a trial on the emulated 2 Gbit/s
+            # hosts the residual MLP's coarse plan ran 122 ms and its even twin 105 (the GPT's
+            # coarse plan 168 and its twin 165).
+            others += [(EVEN + name, _even(reducer, ready, nbytes, len(layout))) for name, layout in others
+                       if len(layout) > 1] + [(ONE, one)]
         for name, layout in others:
             if all(layout != other for other in layouts.values()):
                 layouts[name] = layout
@@ -339,14 +353,21 @@ class AutoBuckets:
 
 
 def _plan(reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostModel) -> list[list[int]]:
+    return _in_ready_order(reducer, ready, nbytes, lambda r, b, k: plan_buckets(r, b, cost, k))
+
+
+def _even(reducer: Reducer, ready: list[float], nbytes: list[int], count: int) -> list[list[int]]:
+    return _in_ready_order(reducer, ready, nbytes, lambda _r, b, k: even_split(b, count, k))
+
+
+def _in_ready_order(reducer: Reducer, ready: list[float], nbytes: list[int], split: Callable) -> list[list[int]]:
+    """`split(ready, nbytes, groups)`, all in ready order, as parameter indices."""
     order = sorted(range(len(ready)), key=lambda i: (ready[i], i))
     keys = [
         ("sparse", i) if reducer.expect_sparse_gradient[i] else (p.dtype, p.device)
         for i, p in enumerate(reducer.params)
     ]
-    positions = plan_buckets(
-        [ready[i] for i in order], [nbytes[i] for i in order], cost, [keys[i] for i in order]
-    )
+    positions = split([ready[i] for i in order], [nbytes[i] for i in order], [keys[i] for i in order])
     return [[order[p] for p in bucket] for bucket in positions]
 
 

@@ -4,6 +4,7 @@ Two pure pieces, tested without a process group:
 
 * `CostModel`: all-reduce time ≈ α + β·bytes, fitted by least squares (`fit_cost_model`) to a short
   probe of the group in use (`probe_cost_model`, the only part that communicates).
+* `even_split`: the same number of buckets with equal bytes, whatever the ready times say.
 * `plan_buckets`: given when each gradient becomes ready (in ready order), its size and the cost
   model, the bucket boundaries that minimise the predicted time at which the last all-reduce
   finishes. Collectives run one after another, so bucket k finishes at
@@ -31,7 +32,7 @@ import torch.distributed as dist
 from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, wait
 
 __all__ = [
-    "CostModel", "fit_cost_model", "plan_buckets", "predict_finish_ms", "probe_cost_model",
+    "CostModel", "fit_cost_model", "plan_buckets", "even_split", "predict_finish_ms", "probe_cost_model",
     "LoadProbe", "probe_under_load", "probe_sizes", "Contention", "measure_contention", "probe_during_compute",
     "CommCpu", "measure_comm_cpu", "busy_cpu_seconds",
 ]
@@ -434,6 +435,31 @@ def plan_buckets(
     key = [keys[a[0]] for a in atoms]
     cuts = _best_cuts(ready, size, key, cost)
     return [[i for a in atoms[lo:hi] for i in a] for lo, hi in zip(cuts, cuts[1:])]
+
+
+def even_split(nbytes: Sequence[int], n: int, groups: Sequence[Hashable] | None = None) -> list[list[int]]:
+    """Positions 0..n-1 (ready order) in `n` consecutive buckets of about equal bytes.
+
+    Each position goes to the bucket its bytes' midpoint falls in, so a gradient larger than a
+    bucket's share takes a bucket of its own and no bucket is empty. A boundary is also forced
+    wherever `groups` changes (one (dtype, device) group per bucket), so mixed groups can give
+    more than `n` buckets.
+    """
+    if n < 1:
+        raise ValueError(f"even_split: {n} buckets asked for; ask for at least 1")
+    keys = list(groups) if groups is not None else [0] * len(nbytes)
+    total = sum(nbytes) or 1
+    buckets: list[list[int]] = []
+    last: tuple[Hashable, int] = (None, -1)
+    done = 0
+    for i, size in enumerate(nbytes):
+        slot = (keys[i], min(n - 1, int((done + size / 2) * n / total)))
+        if slot != last:
+            buckets.append([])
+            last = slot
+        buckets[-1].append(i)
+        done += size
+    return buckets
 
 
 def _atoms(nbytes: Sequence[int], keys: Sequence[Hashable], max_atoms: int) -> list[list[int]]:
