@@ -128,13 +128,13 @@ def test_a_stopped_owner_leaves_nothing_behind(cluster_or_skip, how):
 def test_a_planned_run_on_two_hosts_at_2gbit_matches_torch_ddp_step_for_step(cluster_or_skip):
     cluster = cluster_or_skip(2, "2gbit")
     try:
-        done = cluster.torchrun([SCRIPT, "30", "-", "auto"], timeout=240, env={"OMP_NUM_THREADS": "1"})
+        done = cluster.torchrun([SCRIPT, "40", "-", "auto"], timeout=240, env={"OMP_NUM_THREADS": "1"})
     finally:
         cluster.remove()
     report = "\n".join(f"--- host {i} (exit {d.returncode}):\n{d.stdout[-3000:]}" for i, d in enumerate(done))
     assert all(d.returncode == 0 for d in done), report
     for rank, d in enumerate(done):
-        assert f"rank {rank}: 30 steps matched torch DDP exactly" in d.stdout, report
+        assert f"rank {rank}: 40 steps matched torch DDP exactly" in d.stdout, report
         assert re.search(rf"rank {rank}: planned \d+ buckets .*\((kept|reverted)", d.stdout), report
 
 

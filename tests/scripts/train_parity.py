@@ -33,7 +33,7 @@ def main() -> None:
     if planned:  # plan early, try each candidate twice, confirm twice, one step a slot; overlap allowed,
         # so the candidates differ from the current layout whatever the contention probe says
         ours._auto.warmup, ours._auto.rounds, ours._auto.per_slot = 2, 2, 1
-        ours._auto.confirm_rounds = 2  # the trial ends by step 19, well inside 30
+        ours._auto.confirm_rounds = 2  # the trial ends by step 27 (`decided_by`), well inside 40
         ours._auto.saturated = False
     theirs = nn.parallel.DistributedDataParallel(theirs_model, bucket_cap_mb=0.01)
     opts = [torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ours_model, theirs_model)]
