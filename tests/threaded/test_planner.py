@@ -129,7 +129,14 @@ def test_many_gradients_are_merged_into_atoms_and_planned_quickly():
 # ------------------------------------------------------------------ on real groups
 
 
-STEPS = 52  # 3 to measure, then the trial: 4 rounds of up to 4 layouts x 3 iterations, then decided
+STEPS = 36  # 3 to measure, then a short trial (`_short_trial`): decided by iteration 28
+
+
+def _short_trial(auto) -> None:
+    """Two rounds of one iteration a candidate, two to confirm: however many candidates differ
+    (up to ten layouts, as timings decide), the first plan is decided by `decided_by`, 28."""
+    auto.rounds, auto.per_slot, auto.confirm_rounds = 2, 1, 2
+    assert auto.decided_by <= STEPS - 2
 
 
 def _auto_vs_torch(rank, group, model_name, saturated=None):
@@ -147,6 +154,7 @@ def _auto_vs_torch(rank, group, model_name, saturated=None):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self._auto.saturated = saturated
+            _short_trial(self._auto)
 
         def forward(self, *a, **k):
             out = super().forward(*a, **k)
@@ -261,7 +269,7 @@ def _forced_revert(rank, group):
     ddp._auto.rounds, ddp._auto.per_slot, ddp._auto.confirm_rounds = 1, 1, 1
     ddp._auto.margin = 10.0  # no candidate can be faster enough: the current layout stays
     layouts = []
-    for _ in range(8):
+    for _ in range(ddp._auto.decided_by + 1):  # however many candidates the timings make differ
         ddp(torch.ones(4, 8)).sum().backward()
         layouts.append(ddp.reducer.bucket_indices)
     return ddp.bucket_plan(), layouts
@@ -294,7 +302,7 @@ def _drifting(rank, group):
     auto.rounds, auto.per_slot, auto.confirm_rounds, auto.drift_every, auto.max_replans = 1, 1, 1, 2, 2
     auto.drift = -1.0  # any change counts as drift
     replans = []
-    for _ in range(30):
+    for _ in range(3 * (auto.decided_by + 2 * auto.drift_every)):  # three plans, each decided and watched
         ddp(torch.ones(4, 8)).sum().backward()
         replans.append(ddp.bucket_plan().replans if ddp.bucket_plan() else None)
     return replans, ddp.bucket_plan(), ddp.reducer.bucket_indices
@@ -321,7 +329,7 @@ def test_forward_without_backward_during_the_trial_repeats_the_slot():
 
         ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
         ddp._auto.rounds, ddp._auto.per_slot, ddp._auto.confirm_rounds = 1, 1, 1
-        for step in range(12):
+        for step in range(ddp._auto.decided_by + 2):  # one slot repeated, and the decision's forward
             out = ddp(torch.ones(4, 8))
             if step != 4:  # a forward whose output is never backpropagated, mid-trial
                 out.sum().backward()
@@ -461,3 +469,4 @@ def test_the_first_plan_is_decided_within_decided_by_iterations():
     assert decided_by == 3 + (2 * 10 + 3 * 2) * 1 + 1
     assert plan0.kept is not None and plan0.kept == plan1.kept
     assert plan0.winner is not None  # a winner was confirmed (kept or not): the trial's longest path
+    assert any(name.startswith("even ") for name in plan0.trial_ms)  # the plans' even twins were tried

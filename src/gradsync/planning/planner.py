@@ -438,7 +438,7 @@ def plan_buckets(
 
 
 def even_split(nbytes: Sequence[int], n: int, groups: Sequence[Hashable] | None = None) -> list[list[int]]:
-    """Positions 0..n-1 (ready order) in `n` consecutive buckets of about equal bytes.
+    """Positions 0..len(nbytes)-1 (ready order) in `n` consecutive buckets of about equal bytes.
 
     Each position goes to the bucket its bytes' midpoint falls in, so a gradient larger than a
     bucket's share takes a bucket of its own and no bucket is empty. A boundary is also forced
