@@ -305,7 +305,8 @@ def run_torchrun(
     this host and return its combined output.
 
     The launcher runs in its own session; past `timeout` the whole session is killed, so no
-    worker survives, and `RankTimeoutError` carries what it printed.
+    worker survives, and `RankTimeoutError` carries what it printed. Interrupted any other
+    way (a test's own timeout, ^C), it is killed too before the exception goes on.
     """
     cmd = [
         sys.executable,
@@ -333,6 +334,9 @@ def run_torchrun(
         kill_process_tree(proc.pid)
         out, _ = proc.communicate(timeout=30)
         raise RankTimeoutError(f"torchrun {script} did not finish within {timeout}s:\n{out}") from None
+    except BaseException:  # the test's own timeout (pytest-timeout) or ^C: no worker outlives it
+        kill_process_tree(proc.pid)
+        raise
     return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 

@@ -104,6 +104,59 @@ def test_torchrun_timeout_kills_the_whole_launch(tmp_path):
     assert sys.executable
 
 
+@pytest.mark.parametrize("launcher", ["local", "emulated cluster"])
+def test_a_launch_interrupted_by_the_tests_own_timeout_leaves_no_worker(tmp_path, launcher):
+    import signal
+
+    from gradsync.tools.cluster import ClusterUnavailable, EmulatedCluster
+
+    script, pids = tmp_path / "sleep.py", tmp_path / "pids"
+    pids.mkdir()
+    script.write_text(f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
+                      "time.sleep(600)\n")
+    cluster = EmulatedCluster(2) if launcher == "emulated cluster" else None
+    if cluster is not None:
+        try:
+            cluster.build()
+        except ClusterUnavailable as e:
+            pytest.skip(str(e))
+    workers = 1 if cluster is None else 2
+
+    class Interrupted(Exception):  # what pytest-timeout raises in the test's thread
+        pass
+
+    def interrupt(*_):
+        if len(os.listdir(pids)) == workers:
+            raise Interrupted
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.5, 0.5)
+    try:
+        with pytest.raises(Interrupted):
+            if cluster is None:
+                run_torchrun(str(script), 1, timeout=90)
+            else:
+                cluster.torchrun([str(script)], timeout=90)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if cluster is not None:
+            cluster.remove()
+    started = [int(pid) for pid in os.listdir(pids)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(map(_alive, started)):
+        time.sleep(0.1)
+    assert not [pid for pid in started if _alive(pid)], "workers outlived the interrupted launch"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ")[-1][0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
 def test_init_process_group_keeps_restart_attempts_apart():
     import subprocess
     import sys

@@ -75,6 +75,8 @@ def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
         }
         assert max(model["max_param_diff_to_torch"].values()) <= 1e-3
         assert model["ratio_to_torch"]["torch DDP"] == 1.0
+        assert set(model["cpu_ms_per_step"]) == set(model["median_ms"])  # every variant's CPU per step
+        assert all(0.0 < share for share in model["cpu_share_of_step"].values())
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "communication floor" in (tmp_path / "bench.md").read_text()
 

@@ -80,3 +80,15 @@ def test_the_floor_with_the_links_cpu_adds_each_cores_share_of_an_all_reduces_cp
     data["comm_cpu"] = CommCpu(allreduce_ms=51.0, busy_ms=2.0, cores=2)
     assert _cpu_floor_ms(data) == pytest.approx(101.0)  # communication (1 + 50 ms) is the floor
     assert "max(compute + 1.0, communication) = 101.00 ms" in _cpu_floor_lines(data)[0]
+
+
+def test_cpu_use_is_each_variants_median_cpu_per_step_and_its_share_of_the_step():
+    from gradsync.tools.benchsuite import _cpu_use_lines, cpu_use
+
+    assert cpu_use({}) == {} and _cpu_use_lines({}) == []  # not measured: no line
+    data = {"cpu": {"torch DDP": [(0.150, 0.70), (0.160, 0.75), (0.170, 0.80)],
+                    "gradsync planned": [(0.200, 0.97), (0.190, 0.95), (0.210, 0.99)]}}
+    use = cpu_use(data)
+    assert use["torch DDP"] == pytest.approx((160.0, 0.75)) and use["gradsync planned"] == pytest.approx((200.0, 0.97))
+    line = _cpu_use_lines(data)[0]
+    assert "torch DDP 160.0 ms (75%)" in line and "gradsync planned 200.0 ms (97%)" in line

@@ -5,7 +5,8 @@ same seed; in every round each variant trains `--repeat` steps on the same batch
 variants rotates round by round; the first rounds are warm-up, long enough for planned
 buckets to finish their trial). Rank 0 reports medians, spreads
 and paired ratios to torch's DDP, the measured all-reduce cost, each model's communication
-floor and the CPU time an all-reduce costs the machine (and the floor that counts it), checks
+floor and the CPU time an all-reduce costs the machine (and the floor that counts it), each
+variant's CPU time per step on the rank (how close its step is to being CPU-bound), checks
 that every synchronising variant ended with the same parameters, and writes a markdown table,
 a JSON file and a PNG chart.
 
@@ -20,6 +21,8 @@ import argparse
 import gc
 import json
 import math
+import statistics
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -145,7 +148,7 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dict):
+def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list]):
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
     wrapped: nn.Module
@@ -173,25 +176,37 @@ def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dic
         opt.step()
         counter[0] += 1
 
+    def run() -> float:
+        # The CPU time of every thread of this rank (gloo's too, and the kernel's network work
+        # charged to them), per step and as a share of the steps' wall time.
+        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        seconds = timed(step, repeat)
+        busy = time.process_time() - cpu_start
+        cpu.setdefault(name, []).append((busy / repeat, busy / (time.perf_counter() - wall_start)))
+        return seconds
+
     state[name] = model
     if "planned" in name:
         state["plan of " + name] = wrapped  # read after timing: what "auto" chose
-    return lambda: timed(step, repeat)
+    return run
 
 
-def run_model(model_name: str, rounds: int, repeat: int, rank: int) -> dict:
+def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool = True) -> dict:
     models: dict[str, nn.Module] = {}
-    variants = {v: _make_variant(v, model_name, rank, repeat, models) for v in VARIANTS}
+    cpu: dict[str, list[tuple[float, float]]] = {}
+    variants = {v: _make_variant(v, model_name, rank, repeat, models, cpu) for v in VARIANTS}
     # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
-    # (every variant trains the same steps, so all still end with the same parameters).
-    settles = AutoBuckets().decided_by
+    # (every variant trains the same steps, so all still end with the same parameters). A smoke
+    # run (`settle=False`) times planned buckets mid-trial: it checks that they run and stay exact.
+    settles = AutoBuckets().decided_by if settle else 0
     result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(settles / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]
     plans = {k: str(models.pop(k).bucket_plan()) for k in [k for k in models if k.startswith("plan of ")]}  # type: ignore[operator]
     same = _same_parameters(models)
-    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans, "comm_cpu": comm_cpu}
+    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans, "comm_cpu": comm_cpu,
+            "cpu": {v: got[-rounds:] for v, got in cpu.items()}}  # the timed rounds, after the warm-up
 
 
 def _same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
@@ -219,6 +234,7 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
         f"({cost.bandwidth_gbps:.2f} GB/s); communication floor for this model: {floor:.2f} ms",
         _floor_line(result, _floor_ms(data)),
         *_cpu_floor_lines(data),
+        *_cpu_use_lines(data),
         "same parameters as torch DDP (max |diff|): "
         + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
         *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
@@ -260,6 +276,28 @@ def _cpu_floor_lines(data: dict) -> list[str]:
     ]
 
 
+def cpu_use(data: dict) -> dict[str, tuple[float, float]]:
+    """Per variant: median CPU ms per step of this rank's threads, and median share of the
+    step's wall time they were busy (1.0: a core's worth the whole step)."""
+    return {
+        v: (statistics.median(c for c, _ in rows) * 1e3, statistics.median(b for _, b in rows))
+        for v, rows in data.get("cpu", {}).items() if rows
+    }
+
+
+def _cpu_use_lines(data: dict) -> list[str]:
+    use = cpu_use(data)
+    if not use:
+        return []
+    shares = ", ".join(f"{v} {ms:.1f} ms ({share:.0%})" for v, (ms, share) in use.items())
+    return [
+        f"CPU time per step of this rank's threads (gloo's and the kernel's network work charged to "
+        f"them included), and its share of the step: {shares}. Near 100 % a step is bound by this "
+        "host's core, not by the link or the layout: the CPU the overlapped transfers cost it adds "
+        "to the step."
+    ]
+
+
 def _floor_line(result: Comparison, floor: float, which: str = "max(compute, communication)") -> str:
     shares = ", ".join(f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only")
     return f"floor {which} = {floor:.2f} ms; step time / floor: {shares}"
@@ -288,7 +326,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: {', '.join(CLUSTER_MODELS)})")
     p.add_argument("--rounds", type=int, default=25, help="measured rounds after the warm-up (default 25)")
     p.add_argument("--repeat", type=int, default=8, help="steps per variant per round (default 8)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models, "
+                   "no warm-up for planned buckets' trial")
     p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
     args = p.parse_args(argv)
     if args.models is None:
@@ -307,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     try:
         rank = dist.get_rank()
-        results = {m: run_model(m, args.rounds, args.repeat, rank) for m in args.models.split(",")}
+        results = {m: run_model(m, args.rounds, args.repeat, rank, settle=not args.quick) for m in args.models.split(",")}
         if rank == 0:
             _write(args, results)
         gc.collect()  # free every wrapper while the group still exists
@@ -333,6 +372,8 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "floor_ms": _floor_ms(d),
             "comm_cpu_ms": d["comm_cpu"].busy_ms if d["comm_cpu"] is not None else None,
             "floor_with_comm_cpu_ms": _cpu_floor_ms(d),
+            "cpu_ms_per_step": {v: ms for v, (ms, _) in cpu_use(d).items()},
+            "cpu_share_of_step": {v: share for v, (_, share) in cpu_use(d).items()},
         }
         for m, d in results.items()
     }

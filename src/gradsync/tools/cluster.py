@@ -176,7 +176,7 @@ class EmulatedCluster:
     def torchrun(self, target: Sequence[str], nproc_per_host: int = 1, timeout: float = 600.0,
                  env: dict[str, str] | None = None) -> list[subprocess.CompletedProcess[str]]:
         """Run `target` on every host at once under torchrun; wait for all (killing all past
-        `timeout`); return each host's exit status and output."""
+        `timeout`, or when interrupted); return each host's exit status and output."""
         from ..testing import kill_process_tree
 
         procs = []
@@ -196,6 +196,10 @@ class EmulatedCluster:
                     kill_process_tree(p.pid)
                 killed = True
                 out, _ = proc.communicate(timeout=30)
+            except BaseException:  # the caller's own timeout or ^C: no host's run outlives it
+                for p in procs:
+                    kill_process_tree(p.pid)
+                raise
             if killed:
                 out += f"\n[gradsync cluster: host {i} killed after {timeout:.0f} s]"
             results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out))
