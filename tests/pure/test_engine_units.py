@@ -168,3 +168,21 @@ def test_a_fill_divides_as_torchs_reducer_does_in_every_float_dtype(dtype):
         bucket.fill(3, as_view=False)
         for p, view in zip(params, bucket.views):
             assert torch.equal(view, torch.mul(p.grad, 1.0 / 3)), (dtype, early, p.shape)
+
+
+def test_flat_views_keep_each_parameters_values_and_strides():
+    # A channels-last conv weight with one input channel is contiguous in both memory formats:
+    # as a view of the flat buffer it must keep the strides it had (with `view_as` it lost them,
+    # its convolution took another kernel, and ZeRO's parameters_as_bucket_view changed bits).
+    from gradsync.wrapper.zero import _flat_views
+
+    torch.manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(4, 1, 3, 3).to(memory_format=torch.channels_last))
+    bias, skipped = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2, 3).t())
+    before = [(p.detach().clone(), p.stride()) for p in (weight, bias, skipped)]
+    [(buffer, members)] = _flat_views([weight, bias, skipped])
+    assert members == [weight, bias] and buffer.numel() == 36 + 4  # the transposed one is not contiguous
+    for p, (values, stride) in zip((weight, bias, skipped), before):
+        assert torch.equal(p, values) and p.stride() == stride
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    assert weight.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr() == buffer.data_ptr()

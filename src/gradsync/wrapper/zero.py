@@ -647,7 +647,8 @@ def _none() -> None:
 
 def _flat_views(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
     """One flat buffer per dtype and device holding these contiguous parameters' values, each
-    parameter's `.data` now a view of it; with the parameters that view each."""
+    parameter's `.data` now a view of it with the parameter's own strides; with the parameters
+    that view each."""
     kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for p in params:
         if p.is_contiguous():
@@ -656,9 +657,13 @@ def _flat_views(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[tor
     with torch.no_grad():
         for (dtype, device), members in kinds.items():
             buffer = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
-            for view, p in zip(buffer.split([p.numel() for p in members]), members):
-                view.copy_(p.detach().reshape(-1))
-                p.data = view.view_as(p)
+            starts = itertools.accumulate((p.numel() for p in members), initial=0)
+            for start, p in zip(starts, members):
+                buffer.narrow(0, start, p.numel()).copy_(p.detach().reshape(-1))
+                # Its own strides, not `view_as`'s: a weight contiguous in two memory formats
+                # at once (a channels-last conv weight with one input channel) keeps the one
+                # it had, and so do the kernels its convolution picks, and so its bits.
+                p.data = buffer.as_strided(p.size(), p.stride(), start)
             buffers.append((buffer, members))
     return buffers
 
