@@ -1,14 +1,15 @@
 """Randomized parity with torch's DDP: generated models x configurations, one seed a case.
 
 `Case.from_seed(seed)` draws a model (branches used by rank or iteration, outputs left out of the
-loss, frozen and tied parameters, buffers, sparse and dense embeddings, a float64 branch) and a
+loss, frozen and tied parameters, buffers, sparse and dense embeddings, a float64 branch, two
+convolutions in channels-last memory) and a
 configuration (find_unused_parameters, static_graph, bucket caps down to one parameter per
 bucket, gradient_as_bucket_view, no_sync accumulation, torch's and gradsync's communication
 hooks, SGD or Adam, world size 2 or 3, and on gradsync's side sometimes its
 ZeroRedundancyOptimizer with sharded gradients) within what torch's DDP accepts. `run_case` trains it
 under gradsync's wrapper and torch's, side by side on the same gloo groups, and returns the
-differences: gradients (None-ness included) every step, parameters and buffers at the end, and
-parameters across ranks. The same seed always gives the same case:
+differences: gradients (None-ness and memory layout included) every step, parameters and buffers
+at the end, and parameters across ranks. The same seed always gives the same case:
 
     python benchmarks/random_parity.py --seed 1234      # rerun one case
     pytest tests/threaded/test_random_parity.py         # the fast slice
@@ -42,7 +43,7 @@ HOOKS = ("none", "torch_allreduce", "torch_fp16", "gradsync_fp16", "gradsync_bf1
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    kind: str  # linear | branch | frozen | tied | double | embed | bn
+    kind: str  # linear | branch | frozen | tied | double | embed | bn | conv
     use: str = "always"  # for branch: when it runs
     aux: str = "none"  # if not "none": its output is also returned, and the loss uses it then
     head: str = "linear"  # the aux output's head: a Linear of its own, or parameter-free
@@ -118,7 +119,11 @@ class Case:
         # by the flag alone: the step needs a synchronised backward, the last micro-step's.
         shardable = hook in ("none", "torch_allreduce", "torch_fp16", "gradsync_fp16")
         zero = shardable and not sparse and rng.random() < 0.6
-        return dataclasses.replace(case, zero=zero, inside=zero and rng.random() < 0.4)
+        case = dataclasses.replace(case, zero=zero, inside=zero and rng.random() < 0.4)
+        if rng.random() < 0.3:  # drawn after those, for the same reason
+            blocks.insert(rng.randint(1, len(blocks)), Block("conv"))
+            case = dataclasses.replace(case, blocks=tuple(blocks))
+        return case
 
     def torch_kwargs(self) -> dict[str, Any]:
         """torch's DDP for the same case. Its static_graph fails an internal assert on
@@ -173,6 +178,12 @@ class Generated(nn.Module):
                 layer = nn.BatchNorm1d(d)
             elif block.kind == "double":
                 layer = nn.Linear(d, d).double()
+            elif block.kind == "conv":
+                # Channels-last weights of both kinds: (3, 1, 3, 3) is contiguous in both memory
+                # formats, (1, 3, 3, 3) only in channels-last; their gradients' strides must
+                # be torch's (the gradient layout contract).
+                layer = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 1, 3, padding=1))
+                layer.to(memory_format=torch.channels_last)
             elif block.kind == "tied":
                 layer = nn.Linear(d, d, bias=True)
                 layer.weight = self.layers[0].weight  # shared with the first block
@@ -195,6 +206,9 @@ class Generated(nn.Module):
                 h = h + layer(idx).mean(dim=1)
             elif block.kind == "double":
                 h = h + torch.tanh(layer(h.double())).float()
+            elif block.kind == "conv":  # the width as a one-channel 2 x width/2 image
+                image = h.reshape(h.shape[0], 1, 2, -1).contiguous(memory_format=torch.channels_last)
+                h = torch.tanh(h + layer(image).reshape(h.shape))
             else:
                 h = torch.tanh(layer(h))
             if str(i) in self.heads:
@@ -301,7 +315,10 @@ def compare(case: Case, results: list[tuple[dict, dict]]) -> list[str]:
             if case.zero:  # gradsync's gradients are sharded: no whole `.grad` to compare
                 break
             for name in t:
-                problems += _differs(g[name], t[name], exact, f"rank {rank} step {step} grad {name}", precision)
+                what = f"rank {rank} step {step} grad {name}"
+                problems += _differs(g[name], t[name], exact, what, precision)
+                if g[name] is not None and t[name] is not None and g[name].stride() != t[name].stride():
+                    problems.append(f"{what}: strides {g[name].stride()}, torch's {t[name].stride()}")
         for kind in ("params", "buffers"):
             for name in theirs[kind]:
                 problems += _differs(

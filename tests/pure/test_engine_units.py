@@ -186,3 +186,22 @@ def test_flat_views_keep_each_parameters_values_and_strides():
         assert torch.equal(p, values) and p.stride() == stride
     assert weight.is_contiguous(memory_format=torch.channels_last)
     assert weight.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr() == buffer.data_ptr()
+
+
+def test_bucket_views_take_the_parameters_strides_wherever_its_memory_is_dense():
+    # As torch's reducer (`as_strided` for every dense parameter): a channels-last weight with one
+    # input channel is also standard-contiguous, and `view` would give its size-1 dimension
+    # standard strides; a parameter with gaps in its memory gets a standard-contiguous view.
+    from gradsync.engine.bucket import view_like
+
+    buffer = torch.arange(100.0)
+    one_channel = torch.empty(4, 1, 3, 3).to(memory_format=torch.channels_last)
+    channels_last = torch.empty(2, 3, 2, 2).to(memory_format=torch.channels_last)
+    gaps = torch.empty(4, 6)[:, ::2]
+    plain = torch.empty(3, 5)
+    for param in (one_channel, channels_last, gaps, plain):
+        view = view_like(buffer[10:], 7, param)
+        assert view.shape == param.shape
+        assert view.stride() == (param.stride() if param is not gaps else (3, 1)), param.stride()
+        # Memory order is the buffer's order: its slice, nothing before or after.
+        assert sorted(view.flatten().tolist()) == list(range(17, 17 + param.numel()))

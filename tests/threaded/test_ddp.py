@@ -517,3 +517,41 @@ def test_mixed_precision_leaves_a_gradient_unused_everywhere_untouched_in_float3
         assert spare_after is spare_before and torch.equal(spare_after, torch.full_like(spare_after, 3.0))
         assert all(g is None or g.dtype == torch.float32 for g in grads.values())
         assert grads["used.weight"].dtype == torch.float32 and grads["used.weight"].abs().sum() > 0
+
+
+class _ChannelsLastConvs(torch.nn.Module):
+    """A first convolution with one input channel (its weight is contiguous in both memory
+    formats) and a second with several (channels-last only), in channels-last memory."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = torch.nn.Conv2d(1, 4, 3, padding=1)
+        self.second = torch.nn.Conv2d(4, 3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.second(torch.relu(self.first(x)))
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_gradients_keep_the_strides_torch_ddp_gives_them_in_channels_last(as_view):
+    # torch's reducer views each dense parameter's slice of its bucket with the parameter's own
+    # strides (as_strided), so a weight contiguous in two memory formats at once keeps the
+    # channels-last strides of its size-1 dimension; `view` would give it standard ones.
+    def body(rank, group):
+        x = seeded(lambda: torch.randn(2, 1, 6, 6), rank).to(memory_format=torch.channels_last)
+        out = []
+        for cls in (GradsyncDDP, TorchDDP):
+            model = seeded(_ChannelsLastConvs, 0).to(memory_format=torch.channels_last)
+            ddp = cls(model, process_group=group, gradient_as_bucket_view=as_view, bucket_cap_mb=0.0001)
+            for _ in range(2):
+                ddp(x).square().sum().backward()
+            out.append({n: (p.grad.clone(), p.grad.stride(), p.stride()) for n, p in model.named_parameters()})
+        return out
+
+    for ours, theirs in run_threaded(body, 2):
+        assert ours.keys() == theirs.keys()
+        for name, (grad, stride, param_stride) in ours.items():
+            assert torch.equal(grad, theirs[name][0]), name
+            assert (stride, param_stride) == theirs[name][1:], (name, stride, theirs[name][1])
+        if as_view:  # the case that tells `as_strided` from `view` apart is there
+            assert theirs["first.weight"][1] == (9, 1, 3, 1)

@@ -542,9 +542,12 @@ def view_like(buffer: torch.Tensor, offset: int, param: torch.Tensor) -> torch.T
     """A view of `buffer` at `offset` shaped like `param`, with its strides where they are dense.
 
     Matching strides keeps `.grad` in the layout autograd would have produced (the "gradient
-    layout contract"), so a channels-last convolution keeps channels-last gradients.
+    layout contract"), so a channels-last convolution keeps channels-last gradients. Contiguous
+    parameters take the same path, as in torch's reducer: a weight contiguous in two memory
+    formats at once (a channels-last conv weight with one input channel) keeps the strides of
+    its size-1 dimension, which `view` would make standard.
     """
-    if not param.is_contiguous() and is_dense_permutation(param):
+    if is_dense_permutation(param):
         return buffer.as_strided(param.size(), param.stride(), buffer.storage_offset() + offset)
     return buffer.narrow(0, offset, param.numel()).view(param.shape)
 

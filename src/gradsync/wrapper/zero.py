@@ -71,6 +71,7 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
+from ..engine.bucket import view_like
 from ..engine.collectives import (
     DEFAULT_TIMEOUT,
     Broadcasts,
@@ -659,11 +660,12 @@ def _flat_views(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[tor
             buffer = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
             starts = itertools.accumulate((p.numel() for p in members), initial=0)
             for start, p in zip(starts, members):
-                buffer.narrow(0, start, p.numel()).copy_(p.detach().reshape(-1))
-                # Its own strides, not `view_as`'s: a weight contiguous in two memory formats
-                # at once (a channels-last conv weight with one input channel) keeps the one
-                # it had, and so do the kernels its convolution picks, and so its bits.
-                p.data = buffer.as_strided(p.size(), p.stride(), start)
+                # With its own strides (`view_like`, not `view_as`): a weight contiguous in two
+                # memory formats at once (a channels-last conv weight with one input channel)
+                # keeps the one it had, and so do the kernels its convolution picks, and its bits.
+                view = view_like(buffer, start, p)
+                view.copy_(p.detach())
+                p.data = view
             buffers.append((buffer, members))
     return buffers
 
