@@ -455,18 +455,26 @@ def test_the_first_plan_is_decided_within_decided_by_iterations():
         from gradsync import DistributedDataParallel as GradsyncDDP
         from gradsync.testing import seeded
 
-        ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+        ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group, bucket_cap_mb="auto")
         auto = ddp._auto
         auto.rounds, auto.per_slot, auto.confirm_rounds = 2, 1, 3
         auto.margin = -10.0  # every candidate beats the margin: the screening always has a winner to confirm
         auto.saturated = False  # overlap allowed: candidates other than one bucket
+        # A cost model set, not probed: a probed one on a loaded machine can make every
+        # candidate the current layout (one bucket for this small model), leaving the trial
+        # nothing to screen. Free, nearly instant collectives plan a bucket per gradient (each
+        # gradient's all-reduce ends before the next is ready), and as this model's gradients
+        # differ in size, that plan's even twin (6 buckets of equal bytes) differs from it.
+        auto.cost = COST
         for _ in range(auto.decided_by):
             ddp(torch.ones(4, 8)).sum().backward()
         ddp(torch.ones(4, 8))  # the decision is taken at a forward
         return ddp.bucket_plan(), auto.decided_by
 
+    COST = CostModel(0.0, 1e-9)
     (plan0, decided_by), (plan1, _) = run_threaded(body, 2)
     assert decided_by == 3 + (2 * 10 + 3 * 2) * 1 + 1
     assert plan0.kept is not None and plan0.kept == plan1.kept
     assert plan0.winner is not None  # a winner was confirmed (kept or not): the trial's longest path
     assert any(name.startswith("even ") for name in plan0.trial_ms)  # the plans' even twins were tried
+    assert plan0.cost == COST and len(plan0.layout) == 6  # the cost set, not a probe's: a bucket per gradient

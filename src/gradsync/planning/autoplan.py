@@ -184,6 +184,9 @@ class AutoBuckets:
         self.margin, self.drift, self.drift_every, self.max_replans = margin, drift, drift_every, max_replans
         self.saturated: bool | None = None
         """Force the saturated-host model on or off; None: detect it (every rank must agree)."""
+        self.cost: CostModel | None = None
+        """Force the all-reduce cost model (a link whose cost is known); None: probe it. Every
+        rank must set the same."""
         self.plan: BucketPlan | None = None
         self._trial: _Trial | None = None
         self._baseline_ms: float | None = None
@@ -216,7 +219,9 @@ class AutoBuckets:
         contention = self._contention(reducer, sum(nbytes))
         saturated = self.saturated if self.saturated is not None else bool(contention and contention.saturated)
         sizes, timeout = probe_sizes(sum(nbytes)), reducer.config.timeout
-        if saturated:
+        if self.cost is not None:
+            cost = self.cost
+        elif saturated:
             cost = probe_under_load(reducer.process_group, buffer.dtype, sizes, timeout=timeout).cost
         elif buffer.device.type == "cpu":  # collectives overlap, but need the busy cores: priced queued during compute
             cost = probe_during_compute(reducer.process_group, buffer.dtype, sizes, timeout=timeout)
