@@ -7,6 +7,7 @@ unchanged. `check_hook` refuses a hook that cannot work before any rank starts w
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -166,8 +167,10 @@ class HookChain:
         events: list,
         describe: Callable[[int], str],
         clock: Callable[[], int] = time.perf_counter_ns,
+        on_stream: Callable[[Any], contextlib.AbstractContextManager] = on_stream,
     ) -> None:
         self.state, self.hook, self.buckets = state, hook, buckets
+        self._on_stream = on_stream  # a bucket's hook runs on the stream it was filled on
         self.group, self.events, self.describe, self.clock = group, events, describe, clock
         self._lock = threading.RLock()
         self._released = 0  # buckets full and in order, free to launch
@@ -211,7 +214,7 @@ class HookChain:
         view = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
         bucket.hook_view = view
         try:
-            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"), on_stream(bucket.stream):
+            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"), self._on_stream(bucket.stream):
                 future = self._call(bucket, view)
         except Exception as error:  # reported at the end of backward, on the backward thread
             bucket.hook_error = GradSyncError(

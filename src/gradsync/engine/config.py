@@ -49,8 +49,10 @@ class ReducerConfig:
     gradients arrive in the low-precision compute dtype."""
 
     reduce_dtype: torch.dtype | None = None
-    """dtype in which buckets are summed across ranks (default: the bucket's own). Gradients are
-    cast to it and divided by the world size in it, before the sum, so nothing overflows."""
+    """dtype in which buckets are summed across ranks (default: the bucket's own). Under mixed
+    precision (a `bucket_dtype` or `reduce_dtype` set) gradients go into the buckets undivided,
+    are cast to it, summed, and the sum is divided by the world size in it, as torch's
+    mixed-precision hook does."""
 
     timeout: timedelta = DEFAULT_TIMEOUT
     """How long the end of backward waits for one bucket's reduction before raising."""
@@ -90,6 +92,12 @@ class ReducerConfig:
     becomes device time (`events.EventClock`: CUDA events, resolved once they have passed);
     an `EventClock` given here is used as that."""
 
+    time_gradients_every: int = 64
+    """With device time (parameters on a GPU), read each gradient's ready time on one
+    iteration in this many (1: every one). A reading is a CUDA event recorded from Python,
+    microseconds of host time per gradient; the other iterations time buckets and iterations
+    only, as torch's C++ reducer does. Host clocks time every gradient."""
+
     def casts_to_reduce(self, param_dtype: torch.dtype) -> bool:
         """Whether buckets are cast to another dtype to be reduced (mixed precision)."""
         return self.reduce_dtype is not None and self.reduce_dtype != (self.bucket_dtype or param_dtype)
@@ -103,6 +111,9 @@ class ReducerConfig:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout={self.timeout!r} must be positive")
+        if isinstance(self.time_gradients_every, bool) or not isinstance(self.time_gradients_every, int) \
+                or self.time_gradients_every < 1:
+            raise ValueError(f"time_gradients_every={self.time_gradients_every!r} must be an int >= 1")
         if self.history < 1:
             raise ValueError(f"history={self.history} must be at least 1")
         for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph",
@@ -118,5 +129,6 @@ class ReducerConfig:
 
 # What `Reducer.configure` may change between iterations; the rest shapes the buckets.
 RUNTIME_FIELDS = frozenset(
-    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock", "read_back"}
+    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock", "read_back",
+     "time_gradients_every"}
 )

@@ -12,12 +12,53 @@ copied back without a sync and read once its event has passed (`HostRead`).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["HostRead", "host_runs_collectives", "object_device", "on_stream", "wait_stream_of"]
+__all__ = ["CudaCalls", "DeviceCalls", "HostRead", "host_runs_collectives", "object_device", "on_stream"]
+
+
+class DeviceCalls(Protocol):
+    """Every call the Reducer's step path makes to the device, in one place: `CudaCalls` on a
+    GPU; stand-ins that count them in the CPU tests (tests/threaded/test_device_calls.py), which
+    pin how many a step makes: none per gradient, a few per bucket and per iteration (as torch's
+    C++ reducer, which times an iteration with a handful of events)."""
+
+    def event(self) -> Any:
+        """A new timing event (`record`, `query`, `elapsed_time`, `synchronize`)."""
+
+    def current_stream(self) -> Any:
+        """The stream work is queued on now (a hook runs on its gradient's stream)."""
+
+    def on_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        """Queue work on `stream` (None: where we are)."""
+
+    def side_stream(self) -> contextlib.AbstractContextManager:
+        """Queue work on a stream of the caller's own (made once), e.g. to time a collective's
+        completion without holding up the compute stream."""
+
+
+class CudaCalls:
+    """`DeviceCalls` on CUDA. The side stream is made at first use and kept."""
+
+    def __init__(self) -> None:
+        self._side: torch.cuda.Stream | None = None
+
+    def event(self) -> torch.cuda.Event:
+        return torch.cuda.Event(enable_timing=True)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream()
+
+    def on_stream(self, stream: Any) -> contextlib.AbstractContextManager:
+        return on_stream(stream)
+
+    def side_stream(self) -> contextlib.AbstractContextManager:
+        if self._side is None:
+            self._side = torch.cuda.Stream()
+        return torch.cuda.stream(self._side)
 
 
 def object_device(group: dist.ProcessGroup) -> torch.device:
@@ -40,14 +81,6 @@ def host_runs_collectives(group: dist.ProcessGroup) -> bool:
     """Whether `group`'s collectives run on host threads (gloo), so that a wait may carry a
     timeout; False for a device backend (NCCL), whose waits are stream-side."""
     return object_device(group).type == "cpu"
-
-
-def wait_stream_of(streams: Sequence[object]) -> None:
-    """Make the current (CUDA) stream wait for every stream in `streams` that differs from it
-    (the streams a bucket's gradients were produced on): its copy then reads finished work."""
-    current = torch.cuda.current_stream()
-    for stream in {id(s): s for s in streams if s is not None and s != current}.values():
-        current.wait_stream(stream)  # type: ignore[arg-type]
 
 
 def on_stream(stream: object) -> contextlib.AbstractContextManager:

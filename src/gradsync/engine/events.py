@@ -18,26 +18,30 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from .timeline import EventKind, IterationTimeline
+from .device import CudaCalls, DeviceCalls
+from .timeline import UNTIMED, EventKind, IterationTimeline
 
 __all__ = ["EventClock", "last_tokens", "resolve_timeline"]
 
 
 class EventClock:
-    """A clock for the Reducer's timeline whose readings are CUDA events (as tokens)."""
+    """A clock for the Reducer's timeline whose readings are CUDA events (as tokens).
+
+    Reading it records an event: the Reducer reads it a few times per bucket and per
+    iteration, and per gradient only on sampled iterations (`ReducerConfig.time_gradients_every`);
+    the other gradients' readings are `UNTIMED` and resolve to the next timed reading."""
 
     def __init__(
         self,
         new_event: Callable[[], Any] | None = None,
         side_stream: Callable[[], contextlib.AbstractContextManager] | None = None,
         host_ns: Callable[[], int] = time.perf_counter_ns,
+        calls: DeviceCalls | None = None,
     ) -> None:
         if new_event is None or side_stream is None:
-            stream = torch.cuda.Stream()
-            new_event = new_event or (lambda: torch.cuda.Event(enable_timing=True))
-            side_stream = side_stream or (lambda: torch.cuda.stream(stream))
+            calls = calls or CudaCalls()
+            new_event = new_event or calls.event
+            side_stream = side_stream or calls.side_stream
         self._new_event, self._side_stream, self._host_ns = new_event, side_stream, host_ns
         self._tokens = itertools.count(1)  # next() is atomic: hooks and comm threads both read
         self._events: dict[int, Any] = {}
@@ -63,13 +67,14 @@ class EventClock:
         """Whether these readings have all happened on the device (asked, never waited for)."""
         return all(t not in self._events or self._events[t].query() for t in tokens)
 
-    def ns(self, token: int) -> int:
-        """A reading in nanoseconds (0 stays 0: nothing was recorded). Waits for it if needed."""
+    def ns(self, token: int, landed: bool = False) -> int:
+        """A reading in nanoseconds (0 stays 0: nothing was recorded). Waits for it if needed
+        (not asked when the caller knows it has `landed`)."""
         event = self._events.get(token)
         if event is None or self._anchor is None:
             return 0
         anchor, anchor_ns = self._anchor
-        if not event.query():
+        if not landed and not event.query():
             event.synchronize()
         return anchor_ns + round(anchor.elapsed_time(event) * 1e6)
 
@@ -80,17 +85,29 @@ class EventClock:
                 del self._events[t]
 
 
-def resolve_timeline(timeline: IterationTimeline, clock: EventClock) -> IterationTimeline:
-    """Turn a finished timeline's tokens into nanoseconds, in place (and return it)."""
-    timeline.events[:] = [(clock.ns(t), k, i) for t, k, i in timeline.events]
+def resolve_timeline(timeline: IterationTimeline, clock: EventClock, landed: bool = False) -> IterationTimeline:
+    """Turn a finished timeline's tokens into nanoseconds, in place (and return it). An
+    `UNTIMED` reading (a gradient on an iteration not sampled) takes the next timed reading
+    after it on the compute stream (a bucket's ready or launch), the end of backward if none: when it was ready at the latest. `landed`: the
+    caller has seen the iteration's last events pass (nothing to ask or wait for)."""
     last = max([timeline.finish_ns, timeline.backward_end_ns, timeline.start_ns])
-    timeline.start_ns = clock.ns(timeline.start_ns)
-    timeline.forward_start_ns = clock.ns(timeline.forward_start_ns)
-    timeline.backward_end_ns = clock.ns(timeline.backward_end_ns)
-    timeline.finish_ns = clock.ns(timeline.finish_ns)
+    timeline.start_ns = clock.ns(timeline.start_ns, landed)
+    timeline.forward_start_ns = clock.ns(timeline.forward_start_ns, landed)
+    timeline.backward_end_ns = clock.ns(timeline.backward_end_ns, landed)
+    timeline.finish_ns = clock.ns(timeline.finish_ns, landed)
+    resolved, later = [], timeline.backward_end_ns
+    for t, k, i in reversed(timeline.events):
+        if t == UNTIMED:
+            t = later
+        else:
+            t = clock.ns(t, landed)
+            if k != EventKind.COMPLETE:  # on the compute stream, as the gradients are
+                later = t
+        resolved.append((t, k, i))
+    resolved.reverse()
+    timeline.events[:] = resolved
     clock.forget_through(last)
     return timeline
-
 
 def last_tokens(timeline: IterationTimeline) -> list[int]:
     """The readings whose passing means the whole iteration has (its end, its completions)."""

@@ -42,7 +42,7 @@ from .bucketing import validate_bucket_indices
 from .checks import PendingFinite, check_finite, check_finite_later
 from .comm import CommHook, HookChain, check_registration, sharded_hook_dtype
 from .config import RUNTIME_FIELDS, ReducerConfig
-from .device import HostRead, host_runs_collectives, wait_stream_of
+from .device import CudaCalls, DeviceCalls, HostRead, host_runs_collectives, on_stream
 from .errors import (
     GradSyncError,
     format_names,
@@ -55,7 +55,7 @@ from .events import EventClock, last_tokens, resolve_timeline
 from .pool import BufferPool
 from .profiling import profiled as _profiled
 from .static_graph import StaticGraph
-from .timeline import DiscardedEvents, EventKind, IterationTimeline
+from .timeline import UNTIMED, DiscardedEvents, EventKind, IterationTimeline
 from .unused import find_tensors, reachable_parameters
 from .used_map import UsedMap
 from .waits import StallMonitor, Waits
@@ -95,6 +95,7 @@ class Reducer:
         param_names: Sequence[str] | None = None,
         config: ReducerConfig | None = None,
         expect_sparse_gradient: Sequence[bool] | None = None,
+        device_calls: DeviceCalls | None = None,
     ) -> None:
         self.params = list(params)
         self.names = list(param_names) if param_names is not None else _default_names(self.params)
@@ -108,11 +109,14 @@ class Reducer:
         self._reports = Reports(process_group)
         self._comm_hook: tuple[object, CommHook] | None = None
         self._waits = Waits(process_group, self.names)
-        # On a GPU the timeline is timed with CUDA events, resolved once they have passed.
+        # On a GPU: its streams (a bucket is filled and launched on the stream backward runs
+        # on), and the timeline timed with CUDA events, resolved once they have passed.
+        self._calls = device_calls if device_calls is not None else (CudaCalls() if self.params[0].is_cuda else None)
         self._device_clock = self.config.clock if isinstance(self.config.clock, EventClock) else (
-            EventClock() if self.params[0].is_cuda else None
+            EventClock(calls=self._calls) if self._calls is not None else None
         )
         self._clock = _recording_clock(self.config, self._device_clock)
+        self._grad_clock = self._clock  # per gradient: untimed on device iterations not sampled
         self._defer = _defers_reads(self.config, process_group)
         self._deferred: deque[tuple[int, HostRead]] = deque()  # (iteration, its reports)
         self._finite: deque[tuple[int, PendingFinite]] = deque()  # deferred finite checks, one per bucket
@@ -122,6 +126,9 @@ class Reducer:
         self._history: deque[IterationTimeline] = deque(maxlen=self.config.history)
         self._unresolved: deque[IterationTimeline] = deque()  # finished, events still in flight
         self._scale_at_launch = self.config.casts_to_reduce(self.params[0].dtype)
+        # Mixed precision (the wrapper sets these dtypes) reduces as torch's does: gradients go
+        # into the buckets undivided, each bucket's sum is divided once landed (`Bucket.divides_sum`).
+        self._divides_sums = self.config.bucket_dtype is not None or self.config.reduce_dtype is not None
         self.buckets: list[Bucket] = []
         self._bucket_of: list[Bucket] = []  # parameter index -> its bucket
         self._shards: Sharding | None = None  # sharded gradients (`shard_gradients`)
@@ -138,9 +145,7 @@ class Reducer:
         self._divisor, self._ride = self.world_size, False
         self._unused: list[int] = []
         self._chain: HookChain | None = None
-        # On a GPU: the stream each gradient was produced on (autograd runs a hook on its
-        # gradient's stream), so a bucket's copy waits for all of them, not only the last.
-        self._streams: list[object] | None = [None] * len(self.params) if self.params[0].is_cuda else None
+        self._backward_stream: Any = None  # on a GPU: the stream of this backward's first hook
         self.phase = Phase.IDLE
         self._start_state()
         _attach_hooks(self)
@@ -166,6 +171,7 @@ class Reducer:
         self._bucket_of = [None] * len(self.params)  # type: ignore[list-item]
         self._position = [0] * len(self.params)  # parameter index -> its place in its bucket
         for bucket in self.buckets:
+            bucket.divides_sum = self._divides_sums
             for position, i in enumerate(bucket.param_indices):
                 self._bucket_of[i] = bucket
                 self._position[i] = position
@@ -301,6 +307,7 @@ class Reducer:
             if self._static.learned:
                 self._unused = list(self._static.unused)
         self._unused_pending = bool(self._unused)
+        self._grad_clock = self._gradient_clock()
         self._timeline = IterationTimeline(
             iteration=self.iteration,
             start_ns=self._clock(),
@@ -310,11 +317,19 @@ class Reducer:
             # says: the rebuild reads it (without it the first iteration's single bucket stayed
             # for good, and nothing overlapped).
             events=[] if self.config.record_events or self._needs_rebuild else DiscardedEvents(),
+            gradients_timed=self._grad_clock is not _untimed,
         )
         self._timeline.forward_start_ns = self._forward_start_ns
         self._chain = self._new_chain()
         self._ride = self._reports_ride_along()
         self._watch_backward_start(tensors)
+
+    def _gradient_clock(self) -> Callable[[], int]:
+        # A CUDA event per gradient costs the host microseconds each: on the device, gradients
+        # are timed on sampled iterations only (buckets and the iteration always are).
+        if self._clock is not self._device_clock or self.iteration % self.config.time_gradients_every == 0:
+            return self._clock
+        return _untimed
 
     def _watch_backward_start(self, outputs: list[torch.Tensor]) -> None:
         # Backward reaches forward's outputs first, in the outermost backward (a reentrant
@@ -383,6 +398,8 @@ class Reducer:
         if phase is not _BACKWARD:  # the common case first: one comparison
             if phase is _PREPARED:
                 self.phase = _BACKWARD
+                if self._calls is not None:  # once per backward: hooks run on its stream(s)
+                    self._backward_stream = self._calls.current_stream()
             elif phase is not _LAUNCHED:  # idle or reduced: not ours to count
                 if phase is _REDUCED and self._marked[index]:
                     raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
@@ -392,8 +409,6 @@ class Reducer:
             if static.learning:
                 static_graph.learning_fire(self, index, param)
             return
-        if self._streams is not None:
-            self._streams[index] = torch.cuda.current_stream()
         if self._marked[index]:
             cause = "unused" if index in self._unused else "repeat"
             raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
@@ -413,7 +428,7 @@ class Reducer:
 
     def _mark(self, index: int, kind: int) -> None:
         self._marked[index] = True
-        self._timeline.events.append((self._clock(), kind, index))
+        self._timeline.events.append((self._grad_clock(), kind, index))
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
@@ -432,10 +447,21 @@ class Reducer:
             return
         if self.config.check_finite:
             self._check_finite(bucket)
-        if self._streams is not None:  # also orders the copies `take_one` made on those streams
-            wait_stream_of([self._streams[i] for i in bucket.param_indices])
-            bucket.stream = torch.cuda.current_stream()  # where the chain launches it (M2)
+        if self._calls is not None:
+            bucket.stream = self._on_fill_stream()  # where the chain launches it (M2)
         bucket.fill(self._fill_divisor(), self.config.gradient_as_bucket_view)
+
+    def _on_fill_stream(self) -> Any:
+        """The stream the bucket is filled and launched on (its last gradient's); made to wait
+        for the stream backward began on, should they differ (a model that runs part of its
+        forward on a stream of its own), so the fill reads finished gradients and the copies
+        `take_one` made there. As in torch's reducer, which copies each gradient on its own
+        stream and launches on the last one's, gradients from a third stream are not waited for."""
+        current = self._calls.current_stream()  # type: ignore[union-attr]
+        first = self._backward_stream
+        if first is not None and first != current:
+            current.wait_stream(first)
+        return current
 
     def _check_finite(self, bucket: Bucket) -> None:
         grads, names = [p.grad for p in bucket.params], [self.names[i] for i in bucket.param_indices]
@@ -445,9 +471,9 @@ class Reducer:
             self._finite.append((self.iteration, pending))  # read once landed (`_check_deferred`)
 
     def _fill_divisor(self) -> int:
-        # A communication hook averages itself (torch's protocol); mixed precision scales in the
-        # reduce dtype at launch (`_payload`): 0, copied as they are.
-        return self._divisor if self._comm_hook is None and not self._scale_at_launch else 0
+        # A communication hook averages itself (torch's protocol); mixed precision divides each
+        # bucket's sum (`Bucket.divides_sum`): 0, copied as they are.
+        return self._divisor if self._comm_hook is None and not self._divides_sums else 0
 
     def _fill_sparse(self, bucket: Bucket) -> None:
         if not bucket.fill_sparse(self._divisor):
@@ -659,7 +685,7 @@ class Reducer:
         clock = self._device_clock
         assert clock is not None
         while self._unresolved and clock.landed(last_tokens(self._unresolved[0])):
-            self._publish(resolve_timeline(self._unresolved.popleft(), clock))
+            self._publish(resolve_timeline(self._unresolved.popleft(), clock, landed=True))
 
     def _check_reports(self) -> None:
         if self._defer:
@@ -721,7 +747,9 @@ class Reducer:
         # Without a hook each rank's report rides after the last bucket's gradients in its own
         # all-reduce (free); otherwise it takes a tiny all-reduce of its own, after every bucket
         # (always when read back deferred: in int64, never saturated, no follow-up collective).
-        return (self._comm_hook is None and not self._scale_at_launch and not self._defer
+        # Not under mixed precision either: gloo sums a longer tensor in another order at 3 ranks
+        # and more, and its last bucket would no longer be summed as torch's is.
+        return (self._comm_hook is None and not self._divides_sums and not self._defer
                 and self.buckets[-1].has_tail)
 
     # ---------------------------------------------------------------- hooks, settings
@@ -754,6 +782,7 @@ class Reducer:
         return HookChain(
             state, hook, self.buckets, self.process_group, self._timeline.events,
             lambda b: f"bucket {b} (rank {self.rank}, iteration {iteration})", self._clock,
+            self._calls.on_stream if self._calls is not None else on_stream,
         )
 
     def configure(self, **changes: object) -> None:
@@ -843,6 +872,10 @@ def _defers_reads(config: ReducerConfig, group: dist.ProcessGroup) -> bool:
 
 def _no_clock() -> int:
     return 0
+
+
+def _untimed() -> int:
+    return UNTIMED
 
 
 def _recording_clock(config: ReducerConfig, device_clock: EventClock | None) -> Callable[[], int]:

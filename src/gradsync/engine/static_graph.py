@@ -64,7 +64,7 @@ def learning_fire(reducer: Reducer, index: int, param: torch.Tensor) -> None:
     if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
         reducer._used.local[index] = 1
     if reducer._static is not None and reducer._static.fires[index] == 1:
-        reducer._timeline.events.append((reducer._clock(), EventKind.READY, index))
+        reducer._timeline.events.append((reducer._grad_clock(), EventKind.READY, index))
     if not reducer._watching and not reducer._end_queued:  # no outputs seen: best effort
         reducer._queue_end_of_backward()
 

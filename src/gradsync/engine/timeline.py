@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import time
 
-__all__ = ["DiscardedEvents", "EventKind", "IterationTimeline", "now_ns"]
+__all__ = ["UNTIMED", "DiscardedEvents", "EventKind", "IterationTimeline", "now_ns"]
 
 now_ns = time.perf_counter_ns
+UNTIMED = 0  # a reading not taken (a gradient's, on a device iteration not sampled)
 
 
 class EventKind:
@@ -45,6 +46,10 @@ class IterationTimeline:
     finish_ns: int = 0
     forward_start_ns: int = 0
     """When the forward that led here began (0 if the caller did not say)."""
+    gradients_timed: bool = True
+    """Whether each gradient's ready time was read (on a GPU only on sampled iterations; on
+    the others a gradient's time is its bucket's, or the next bucket's: when it was ready at
+    the latest)."""
 
     def times(self, kind: int) -> dict[int, int]:
         """index -> time (ns since `start_ns`) of the first event of `kind`."""

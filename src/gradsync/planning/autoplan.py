@@ -349,6 +349,9 @@ class AutoBuckets:
 
     def _agreed_ready_ms(self, reducer: Reducer) -> list[float]:
         recent = list(reducer.history)[-self.window :]
+        # On a GPU each gradient is timed on sampled iterations only; the others know a
+        # gradient's time to its bucket's, too coarse to plan buckets by.
+        recent = [tl for tl in recent if tl.gradients_timed] or recent
         per_param: list[list[float]] = [[] for _ in reducer.params]
         for tl in recent:
             for t, kind, i in tl.events:

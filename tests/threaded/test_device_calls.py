@@ -1,0 +1,181 @@
+"""What one training step asks of the device, counted on CPU: stand-ins for the device calls
+(`gradsync.engine.device.DeviceCalls`: event record, query, elapsed time, current stream, the
+side stream) take the Reducer down its GPU path on a gloo group. A step makes none per
+gradient and a small constant per bucket and per iteration, as torch's C++ reducer (a handful
+of events per iteration); each gradient is timed only on sampled iterations
+(`ReducerConfig.time_gradients_every`). The gradients stay those of the host path.
+
+(At 3757ea6, before `DeviceCalls`, the GPU path made one event record and two current-stream
+calls per gradient, one query and one elapsed time per gradient per iteration.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync import EventKind, Reducer, ReducerConfig
+from gradsync.engine.device import DeviceCalls
+from gradsync.testing import run_threaded, seeded
+
+
+class _Stream:
+    def __init__(self, calls: CountingCalls) -> None:
+        self.calls = calls
+
+    def wait_stream(self, _other: object) -> None:
+        self.calls.counts["wait_stream"] += 1
+
+
+class _Event:
+    def __init__(self, calls: CountingCalls) -> None:
+        self.calls, self.at = calls, 0.0
+
+    def record(self) -> None:
+        self.calls.counts["record"] += 1
+        self.at = next(self.calls.clock)
+
+    def query(self) -> bool:
+        self.calls.counts["query"] += 1
+        return True
+
+    def synchronize(self) -> None:
+        self.calls.counts["synchronize"] += 1
+
+    def elapsed_time(self, other: _Event) -> float:
+        self.calls.counts["elapsed_time"] += 1
+        return other.at - self.at  # milliseconds: each record one later than the last
+
+
+class CountingCalls:
+    """`DeviceCalls` that count, on a stream that is always the same one."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.clock = itertools.count(1.0)
+        self.stream = _Stream(self)
+
+    def event(self) -> _Event:
+        self.counts["event"] += 1
+        return _Event(self)
+
+    def current_stream(self) -> _Stream:
+        self.counts["current_stream"] += 1
+        return self.stream
+
+    def on_stream(self, _stream: object) -> contextlib.AbstractContextManager:
+        self.counts["on_stream"] += 1
+        return contextlib.nullcontext()
+
+    def side_stream(self) -> contextlib.AbstractContextManager:
+        self.counts["side_stream"] += 1
+        return contextlib.nullcontext()
+
+
+def _model(layers: int) -> nn.Module:
+    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(layers)])
+
+
+def _bucketed(params: list[torch.Tensor], buckets: int) -> list[list[int]]:
+    """`buckets` buckets in backward order (the last layers first)."""
+    order = list(reversed(range(len(params))))
+    size = -(-len(order) // buckets)
+    return [order[i : i + size] for i in range(0, len(order), size)]
+
+
+def _count_steps(rank, group, layers, buckets, steps, every, hook):
+    model = seeded(lambda: _model(layers), 0)
+    params = list(model.parameters())
+    calls: DeviceCalls = CountingCalls()
+    config = ReducerConfig(rebuild_bucket_size_limits=None, time_gradients_every=every)
+    reducer = Reducer(params, _bucketed(params, buckets), group, config=config, device_calls=calls)
+    if hook:
+        reducer.register_comm_hook(None, _averaging_hook(group))
+    x = torch.full((4, 16), float(rank + 1))
+    per_step = []
+    for _ in range(steps):
+        before = Counter(calls.counts)
+        model.zero_grad(set_to_none=True)
+        out = model(x)
+        reducer.prepare_for_forward()
+        reducer.prepare_for_backward(out)
+        out.pow(2).mean().backward()
+        per_step.append(calls.counts - before)
+    history = list(reducer.history)
+    return per_step, history, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _averaging_hook(group):
+    def hook(_state, bucket):
+        tensor = bucket.buffer().div_(group.size())
+        return group.allreduce([tensor]).get_future().then(lambda f: f.value()[0])
+
+    return hook
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("hook", [False, True], ids=["allreduce", "comm_hook"])
+def test_a_step_makes_no_device_call_per_gradient(hook):
+    # Same buckets, twice and four times the gradients: the counts per step do not change.
+    counts = {}
+    for layers in (8, 16, 32):
+        results = run_threaded(_count_steps, 2, layers, 4, 6, 64, hook, timeout=60)
+        per_step = results[0][0]
+        steady = per_step[2:]  # after the first iterations' extra resolution work
+        assert all(s == steady[0] for s in steady), steady
+        counts[layers] = steady[0]
+    assert counts[8] == counts[16] == counts[32], counts
+    step = counts[8]
+    buckets = 4
+    # Per iteration: forward's and backward's start, backward's end, the finish (4 events);
+    # per bucket: ready, launch, completion. One current stream per backward and per bucket.
+    assert step["event"] == step["record"] == 4 + 3 * buckets, step
+    assert step["current_stream"] == 1 + buckets, step
+    assert step["side_stream"] == buckets, step
+    # The previous iteration resolved at this one's start: its end and completions queried,
+    # each timed reading's elapsed time taken once, nothing waited for.
+    assert step["query"] == 1 + buckets and step["synchronize"] == 0, step
+    assert step["elapsed_time"] == 4 + 3 * buckets, step
+    assert step["wait_stream"] == 0, step  # one stream: nothing to order
+    assert step["on_stream"] == (buckets if hook else 0), step
+
+
+@pytest.mark.timeout(120)
+def test_sampled_iterations_time_each_gradient_and_others_take_their_buckets_time():
+    results = run_threaded(_count_steps, 2, 8, 4, 6, 3, False, timeout=60)
+    per_step, history, _ = results[0]
+    params = 16
+    for iteration, step in enumerate(per_step, start=1):
+        timed = iteration % 3 == 0
+        assert step["record"] == 4 + 3 * 4 + (params if timed else 0), (iteration, step)
+    for timeline in history:
+        assert timeline.gradients_timed == (timeline.iteration % 3 == 0)
+        ready, bucket_ready = timeline.times(EventKind.READY), timeline.times(EventKind.BUCKET_READY)
+        assert set(ready) == set(range(params))
+        for b, members in enumerate(timeline.bucket_indices):
+            # Read before the bucket was (sampled), or its bucket's time (not): at the latest.
+            assert all(0 < ready[i] <= bucket_ready[b] for i in members), (timeline.iteration, b)
+            if not timeline.gradients_timed:
+                assert {ready[i] for i in members} == {bucket_ready[b]}
+
+
+@pytest.mark.timeout(120)
+def test_the_device_path_on_cpu_gives_the_host_paths_gradients():
+    def host(rank, group):
+        model = seeded(lambda: _model(8), 0)
+        params = list(model.parameters())
+        reducer = Reducer(params, _bucketed(params, 4), group, config=ReducerConfig(rebuild_bucket_size_limits=None))
+        out = model(torch.full((4, 16), float(rank + 1)))
+        reducer.prepare_for_backward(out)
+        out.pow(2).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    device = run_threaded(_count_steps, 2, 8, 4, 1, 64, False, timeout=60)
+    for (_, _, grads), want in zip(device, run_threaded(host, 2, timeout=60)):
+        for name in want:
+            torch.testing.assert_close(grads[name], want[name], rtol=0, atol=0)
