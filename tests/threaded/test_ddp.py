@@ -421,8 +421,8 @@ def test_delayed_all_reduce_arguments_go_together():
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("micro_steps", [1, 2])
 def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(reduce_dtype, micro_steps):
-    # torch 2.13's own DDP mixed precision needs accelerator events ("cpu backend doesn't
-    # support events"), so the reference is computed directly.
+    # torch's own DDP mixed precision, compared in tests/processes/test_mixed_precision_vs_torch.py,
+    # cannot accumulate over no_sync steps (it raises), so the reference is computed directly.
     from torch.nn.parallel.distributed import _MixedPrecision
 
     config = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
@@ -451,7 +451,7 @@ def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(redu
     ours = run_threaded(body, 2)
     # Reference: each rank's bf16 gradients, accumulated in float32 over the no_sync steps; the
     # synchronised step's backward adds its own in bf16 (autograd accumulates in the parameter's
-    # dtype); then cast to the reduce dtype, divided by 2, summed.
+    # dtype); then, as torch's mixed-precision hook: cast to the reduce dtype, summed, divided by 2.
     per_rank = []
     for rank in range(2):
         model = seeded(lambda: __import__("models").WithBatchNorm(), 0)
@@ -466,7 +466,7 @@ def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(redu
                 acc[n] = (acc[n].to(torch.bfloat16) + p.grad).float() if last else acc[n] + p.grad.float()
         per_rank.append(acc)
     for name in ours[0]:
-        want = sum((r[name].to(reduce_dtype) * 0.5).to(reduce_dtype) for r in per_rank).float()
+        want = (per_rank[0][name].to(reduce_dtype) + per_rank[1][name].to(reduce_dtype)).div_(2).float()
         torch.testing.assert_close(ours[0][name], want, msg=name, rtol=0, atol=0)
         torch.testing.assert_close(ours[0][name], ours[1][name], rtol=0, atol=0)
 

@@ -161,6 +161,12 @@ class Bucket:
         self.hook_error: Exception | None = None
         self.stream: Any = None  # on a GPU: the stream its fill was queued on
         self._cast: torch.Tensor | None = None  # the buffer in the reduce dtype (mixed precision)
+        # Mixed precision (the Reducer sets it) reduces as torch's `_reducer_allreduce_and_upcast_hook`:
+        # the gradients go in undivided, are summed (cast to the reduce dtype first, if it differs),
+        # and the sum is divided in the dtype it was summed in once landed (`_divided`): at 3 ranks
+        # and more, dividing first would round differently.
+        self.divides_sum = False
+        self._sum_divisor = 0  # this iteration's, until its sum has been divided
 
     @property
     def by_all_reduce(self) -> bool:
@@ -323,6 +329,7 @@ class Bucket:
             return
         if self.collective == "reduce_scatter":
             return  # its result is `shard`, the sharded optimizer's business; `.grad` is left alone
+        self._divided(self.payload)
         keep = _ALL if used is None else [bool(used[i]) for i in self.param_indices]
         if self.payload is not self.buffer:  # another dtype (mixed precision): cast each
             self._write_back_cast(keep)
@@ -406,10 +413,14 @@ class Bucket:
         start, stop = self.shard_range
         if self._received is not None:
             self._sum_received(self._received)
-        elif self.by_all_reduce and stop > start:  # the payload: the buffer, or its cast (a hook)
-            self.shard.narrow(0, 0, stop - start).copy_(self.payload.narrow(0, start, stop - start))
+        elif self.by_all_reduce:  # the payload: the buffer, or its cast (a hook, mixed precision)
+            if stop > start:
+                self.shard.narrow(0, 0, stop - start).copy_(self._divided(self.payload.narrow(0, start, stop - start)))
         elif self._cast_shard is not None:
-            self.shard.copy_(self._cast_shard)
+            self.shard.copy_(self._divided(self._cast_shard))
+        elif stop > start:  # summed into the shard itself, in its dtype
+            self._divided(self.shard)
+        self._sum_divisor = 0  # a shard of padding only: nothing to divide
         if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)
             self._cast_wire = self._cast_shard = None
 
@@ -420,12 +431,13 @@ class Bucket:
         if self._own is not None:  # this rank's own part was not sent: it is first or last
             parts.insert(0 if self._rank == 0 else len(parts), self._own)
         if len(parts) == 1:  # world size 1
-            self.shard.copy_(parts[0])
+            self.shard.copy_(self._divided(parts[0]))
             return
         total = self.shard if received.dtype == self.shard.dtype else torch.empty_like(parts[0])
         torch.add(parts[0], parts[1], out=total)
         for part in parts[2:]:
             total.add_(part)
+        self._divided(total)
         if total is not self.shard:
             self.shard.copy_(total)
 
@@ -438,21 +450,34 @@ class Bucket:
         return True
 
     def launch_payload(self, reduce_dtype: torch.dtype | None, divisor: int) -> torch.Tensor:
-        """What to reduce: the buffer, the sparse gradient, or (mixed precision) the buffer
-        cast to `reduce_dtype` and divided there, so the sum cannot overflow."""
+        """What to reduce: the buffer, the sparse gradient, or the buffer cast to `reduce_dtype`.
+        With `divides_sum` the sum is divided by `divisor` once landed (`_divided`); else a
+        cast is divided before the sum, so that the sum cannot overflow."""
+        plain = self.sparse_grad is None and not self.hooked
+        self._sum_divisor = divisor if plain and self.divides_sum else 0
+        scale = 0 if self.divides_sum else divisor
         if self.sparse_grad is not None:
             self.payload = self.sparse_grad
         elif self.hooked:
             self.payload = self._hooked_payload(divisor)
         elif reduce_dtype is not None and self.collective == "reduce_scatter":
-            self.payload = self._cast_payload(reduce_dtype, divisor, reciprocal=True)
+            self.payload = self._cast_payload(reduce_dtype, scale, reciprocal=True)
         elif reduce_dtype is not None:  # into the same tensor every step, not a new one
             if self._cast is None or self._cast.dtype != reduce_dtype:
                 self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype, device=self.buffer.device)
-            self.payload = torch.mul(self.buffer, 1.0 / divisor, out=self._cast)
+            self.payload = _scaled_into(self.buffer, scale, self._cast)
         else:
             self.payload = self.buffer
         return self.payload
+
+    def _divided(self, landed: torch.Tensor) -> torch.Tensor:
+        """`landed` (this bucket's sum, or this rank's shard of it) divided in place by this
+        iteration's divisor, when the sum is divided (`divides_sum`): `.div_` in the dtype it
+        was summed in, as torch's mixed-precision hook divides. Once per iteration."""
+        if self._sum_divisor:
+            landed.div_(self._sum_divisor)
+            self._sum_divisor = 0
+        return landed
 
     def _hooked_payload(self, divisor: int) -> torch.Tensor:
         """As torch's averaging hooks: `buffer.to(dtype).div_(world_size)`, then summed."""
@@ -462,8 +487,9 @@ class Bucket:
 
     def _cast_payload(self, dtype: torch.dtype, divisor: int, reciprocal: bool) -> torch.Tensor:
         """A reduce-scatter bucket's buffer cast to `dtype` and divided there (`reciprocal`:
-        multiplied by 1/divisor, as mixed precision's all-reduce path does; else divided, as
-        torch's hooks do). The cast, padded, replaces the buffer, which goes back at once."""
+        multiplied by 1/divisor, as the all-reduce path's cast is, not at all for divisor 0;
+        else divided, as torch's hooks do). The cast, padded, replaces the buffer, which goes
+        back at once."""
         padded = self._wire_numel
         if self._pool is not None:
             self._cast_lent = self._pool.take(padded, dtype, self._device)
@@ -472,7 +498,7 @@ class Bucket:
             self._cast_wire = torch.empty(padded, dtype=dtype, device=self._device)
         cast = self._cast_wire.narrow(0, 0, self.numel)
         if reciprocal:
-            torch.mul(self.buffer, 1.0 / divisor, out=cast)
+            _scaled_into(self.buffer, divisor, cast)
         else:
             cast.copy_(self.buffer).div_(divisor)
         if padded > self.numel:
@@ -497,7 +523,9 @@ class Bucket:
         return True
 
     def accept(self, value: torch.Tensor) -> None:
-        """Take a communication hook's result as this bucket's reduced values."""
+        """Take a communication hook's result as this bucket's reduced values (averaged: the
+        hook's business, as torch's protocol has it)."""
+        self._sum_divisor = 0
         if self.sparse:
             self.sparse_grad = value
         elif value.dtype == self.buffer.dtype:
@@ -515,6 +543,7 @@ class Bucket:
             self._copied = [False] * len(self.params)
             self._n_copied = 0
         self.work = None
+        self._sum_divisor = 0
         self.landed = False  # reduced, its work dropped (a transient bucket, `Reducer._settle`)
         self.sparse_grad = None
         self.payload = self.buffer
@@ -575,6 +604,13 @@ _ALL = _Everything()
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
+
+
+def _scaled_into(source: torch.Tensor, divisor: int, out: torch.Tensor) -> torch.Tensor:
+    """`out` = `source` times 1/`divisor`, in `out`'s dtype; a plain copy for divisor 0."""
+    if divisor:
+        return torch.mul(source, 1.0 / divisor, out=out)
+    return out.copy_(source)
 
 
 def _copy_batch(views: list[torch.Tensor], grads: list[torch.Tensor], divisor: int) -> None:

@@ -266,9 +266,17 @@ class DistributedDataParallel(_Base):
             if owner is not None:  # the low-precision copies are made from whole parameters:
                 owner.wait_parameters()  # no overlapped gather may land after them
             sharded = self.reducer is not None and self.reducer.sharded
-            self._mixed.cast_down(sync, written_back=sync and self.reducer is not None, sharded=sharded)
+            self._mixed.cast_down(sync, written_back=sync and self._fills_in_backward(), sharded=sharded)
             inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
         return inputs, kwargs, active
+
+    def _fills_in_backward(self) -> bool:
+        """Whether the Reducer copies every gradient into its buckets during backward, before
+        mixed precision's restore at its end. Not in a static graph's first iteration, which
+        reduces everything at the end of backward, after the restore: its gradients must then
+        be in `.grad`, in full precision (exactly: cast up from the bucket's dtype)."""
+        learning = self.static_graph and self.reducer is not None and self.reducer.reductions == 0
+        return self.reducer is not None and not learning
 
     @torch.compiler.disable
     def _post_forward(self, output: Any, active: dist.Work | None) -> Any:

@@ -1,12 +1,29 @@
-"""Mixed precision for the wrapper, with the meaning of torch's `_MixedPrecision`.
+"""Mixed precision for the wrapper: torch's `_MixedPrecision`, bit for bit where torch's works.
 
 Parameters live in full precision. For each forward they are swapped for low-precision copies
-(`param_dtype`), so forward and backward compute in it; floating-point inputs are cast too. At the
-end of backward the full-precision parameters come back and gradients are float32 again. The
-Reducer buckets the low-precision gradients and sums them in `reduce_dtype` (divided by the world
-size first). Across `no_sync` micro-steps gradients are accumulated in full precision; the
-synchronised step's backward adds its own in `param_dtype` (autograd accumulates in the
-parameter's dtype), as torch's does for every step.
+(`param_dtype`), so forward and backward compute in it; floating-point inputs are cast too, and
+a `.grad` left from before is cast down, so autograd adds the step's gradient to it in
+`param_dtype`. `buffer_dtype` casts every buffer once, integer ones such as BatchNorm's
+`num_batches_tracked` included, as torch's `_cast_buffers` does. The Reducer copies the
+low-precision gradients into its buckets undivided, casts each bucket to `reduce_dtype` if it
+differs, sums it, and divides the sum by the world size in `reduce_dtype` (torch's
+`_reducer_allreduce_and_upcast_hook`); at the end of backward the full-precision parameters come
+back and the averages are written into float32 `.grad`. Compared with torch's own, run on CPU:
+tests/processes/test_mixed_precision_vs_torch.py.
+
+Where torch 2.13's own fails, gradsync does this instead. Its first iteration (two with
+static_graph) all-reduces uninitialised memory (`_set_mixed_precision_param_dtype` replaces each
+bucket's tensor, not the views the gradients are copied into): gradsync's is right. Under
+`no_sync` torch's raises (its per-forward gradient hooks are removed only by a synchronised
+backward): gradsync sums the micro-steps' gradients in full precision, then the synchronised
+step follows torch's arithmetic. With `find_unused_parameters` torch's hook raises (casting
+`.data` gives the parameters new gradient accumulators, which its graph search misses): gradsync
+reduces as usual and leaves gradients unused on every rank untouched. A forward without grad
+raises in torch's: gradsync casts and restores at once. `reduce_dtype` alone fails in torch's
+(its reducer reads the missing `param_dtype` as some dtype): gradsync sums and divides in
+`reduce_dtype`, as documented. torch refuses a communication hook on top (its mixed precision
+is one); gradsync runs one on the low-precision buckets when `reduce_dtype` is `param_dtype`,
+and refuses it otherwise.
 """
 
 from __future__ import annotations
@@ -38,7 +55,7 @@ class MixedPrecisionParams:
         self._before: dict[int, torch.Tensor | None] = {}  # full-precision .grad before forward
         if self.buffer_dtype is not None:
             for name, buf in module.named_buffers():
-                if name not in ignored and buf.is_floating_point():
+                if name not in ignored:  # every one, integer counters too, as torch's `_cast_buffers`
                     buf.data = buf.to(self.buffer_dtype)
 
     def cast_down(self, sync: bool, written_back: bool = False, sharded: bool = False) -> None:
