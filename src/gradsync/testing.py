@@ -4,8 +4,10 @@ Two tiers:
 
 * `run_threaded(fn, world_size)`: one real gloo process group per rank, each in a thread of this
   process, over a shared `HashStore`. Collectives are truly asynchronous; a run takes a fraction of
-  a second. The group is a `dist.ProcessGroup` with gloo registered as its CPU backend, the form
-  torch's own DistributedDataParallel accepts, so both can run side by side.
+  a second. The group is a `dist.ProcessGroup` with gloo registered as its CPU backend (and its
+  CUDA one where a GPU is visible), the form torch's own DistributedDataParallel accepts, so both
+  can run side by side. (gloo on CUDA tensors can deadlock between rank threads of one process,
+  torch's DDP too: on a GPU, run ranks as processes.)
 * `run_processes(fn, world_size)`: real processes (spawn), gloo over a `FileStore`, for what only
   processes show (signals, killed ranks, process-global state). `run_torchrun(script, ...)` runs a
   script under torch's launcher on 127.0.0.1.
@@ -43,6 +45,7 @@ __all__ = [
     "RankError",
     "RankTimeoutError",
     "free_port",
+    "gloo_device_types",
     "kill_process_tree",
     "make_gloo_group",
     "run_processes",
@@ -83,19 +86,39 @@ class RankTimeoutError(TimeoutError):
     """Some ranks did not finish in time: a deadlock or a stall."""
 
 
+def gloo_device_types() -> tuple[str, ...]:
+    """The device types a gloo group made here carries: the CPU, and CUDA where torch sees a GPU
+    (gloo reduces CUDA tensors too, staging them through host memory)."""
+    return ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",)
+
+
 def make_gloo_group(
-    store: dist.Store, rank: int, world_size: int, timeout: float = 30.0
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: float = 30.0,
+    devices: Sequence[str] | None = None,
 ) -> dist.ProcessGroup:
-    """A gloo process group over `store` on 127.0.0.1, in the wrapper form torch DDP accepts."""
+    """A gloo process group over `store` on 127.0.0.1, in the wrapper form torch DDP accepts.
+
+    gloo is registered as the group's backend for each device type in `devices` (default
+    `gloo_device_types()`: the CPU, and CUDA when available), so collectives on CUDA tensors
+    find a backend too; a device type gloo cannot carry is refused with `ValueError`.
+    """
     from torch.distributed import ProcessGroupGloo  # type: ignore[attr-defined]
 
+    types = tuple(gloo_device_types() if devices is None else devices)
+    unsupported = sorted(set(types) - {"cpu", "cuda"})
+    if unsupported or not types:
+        raise ValueError(f"gloo carries 'cpu' and 'cuda' tensors, not {unsupported or 'no device'}")
     opts = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
     opts._timeout = datetime.timedelta(seconds=timeout)
     opts._devices = [ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     gloo = ProcessGroupGloo(store, rank, world_size, opts)
     group = dist.ProcessGroup(store, rank, world_size)
     group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    for device_type in dict.fromkeys(types):
+        group._register_backend(torch.device(device_type), dist.ProcessGroup.BackendType.GLOO, gloo)
     return group
 
 

@@ -10,8 +10,17 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from gradsync.testing import RankError, RankTimeoutError, run_processes, run_threaded, run_torchrun
+from gradsync.testing import (
+    RankError,
+    RankTimeoutError,
+    gloo_device_types,
+    make_gloo_group,
+    run_processes,
+    run_threaded,
+    run_torchrun,
+)
 
 
 def _allreduce_rank(rank, group):
@@ -47,6 +56,27 @@ def test_threaded_deadlock_fails_within_the_timeout():
     with pytest.raises((RankTimeoutError, RankError)):
         run_threaded(body, 2, timeout=2)
     assert time.monotonic() - start < 10
+
+
+def test_gloo_group_carries_the_cpu_and_cuda_where_a_gpu_is_visible():
+    group = make_gloo_group(dist.HashStore(), 0, 1, 5)
+    assert gloo_device_types() == (("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))
+    t = torch.ones(3)
+    group.allreduce([t]).wait()
+    assert group._get_backend(torch.device("cpu")) is not None and t.tolist() == [1.0] * 3
+    if not torch.cuda.is_available():  # nothing claims CUDA on a machine without it
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cuda"):
+            group._get_backend(torch.device("cuda"))
+
+
+def test_gloo_group_registers_gloo_for_each_device_type_asked_and_refuses_others():
+    # The registration alone needs no GPU: one gloo backend answers for both device types, so
+    # torch's DDP and gradsync find a backend for CUDA tensors ("No backend type associated with
+    # device type cuda" on the GPU run before).
+    group = make_gloo_group(dist.HashStore(), 0, 1, 5, devices=("cpu", "cuda"))
+    assert group._get_backend(torch.device("cuda")) is group._get_backend(torch.device("cpu"))
+    with pytest.raises(ValueError, match="mps"):
+        make_gloo_group(dist.HashStore(), 0, 1, 5, devices=("cpu", "mps"))
 
 
 def _process_body(rank, group, mode):
