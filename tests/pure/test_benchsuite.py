@@ -92,3 +92,80 @@ def test_cpu_use_is_each_variants_median_cpu_per_step_and_its_share_of_the_step(
     assert use["torch DDP"] == pytest.approx((160.0, 0.75)) and use["gradsync planned"] == pytest.approx((200.0, 0.97))
     line = _cpu_use_lines(data)[0]
     assert "torch DDP 160.0 ms (75%)" in line and "gradsync planned 200.0 ms (97%)" in line
+
+
+def test_the_device_bench_is_chosen_by_device_or_model_with_its_own_defaults():
+    from gradsync.tools.devicebench import DEVICE_MODELS
+
+    args = parse_args(["--device", "cuda"])
+    assert args.device_models == list(DEVICE_MODELS) and (args.rounds, args.repeat) == (15, 5)
+    assert args.out == "out/bench-cuda"
+    quick = parse_args(["--device", "cuda", "--quick", "--models", "gpt2_small"])
+    assert quick.device_models == ["gpt2_small"] and (quick.rounds, quick.repeat) == (3, 2)
+    own = parse_args(["--model", "mymodels:build"])  # a user's model: on CPU unless --device says
+    assert own.device == "cpu" and own.device_models == []
+    assert parse_args([]).device is None and parse_args([]).rounds == 25  # the CPU bench, as before
+    for bad in (["--device", "cuda", "--models", "tiny_gpt"], ["--device", "cpu", "--variants", "gradsync,nope"],
+                ["--model", "no_function_named"], ["--device", "cpu", "--rounds", "1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_the_cpu_bench_needs_two_ranks_the_device_bench_one():
+    from gradsync.tools.cli import main
+
+    with pytest.raises(SystemExit, match="--nproc must be at least 2"):
+        main(["bench", "--nproc", "1"])
+    with pytest.raises(SystemExit, match="--nproc must be at least 1"):
+        main(["bench", "--nproc", "0", "--device", "cpu"])
+
+
+def test_a_users_function_gives_the_model_a_batch_and_optionally_the_loss(tmp_path):
+    from gradsync.tools.devicebench import default_loss, load_user_workload
+
+    (tmp_path / "models_here.py").write_text(
+        "import torch\nfrom torch import nn\n"
+        "def plain():\n    return nn.Linear(3, 2), torch.ones(4, 3)\n"
+        "def with_loss():\n    return nn.Linear(3, 2), {'input': torch.ones(4, 3)}, lambda out, batch: out.sum()\n"
+        "def wrong():\n    return nn.Linear(3, 2)\n"
+    )
+    work = load_user_workload(f"{tmp_path / 'models_here.py'}:plain")
+    assert work.loss is default_loss and work.batches[0].shape == (4, 3) and work.compile_backend is None
+    work = load_user_workload(f"{tmp_path / 'models_here.py'}:with_loss", torch.bfloat16, "aot_eager")
+    assert work.loss(torch.ones(2), None).item() == 2.0 and work.autocast is torch.bfloat16
+    assert "gradsync find_unused" not in work.variants  # compiled: not the find_unused pair by default
+    for spec in (f"{tmp_path / 'models_here.py'}:wrong", f"{tmp_path / 'models_here.py'}:absent"):
+        with pytest.raises(ValueError):
+            load_user_workload(spec)
+    out = torch.tensor([1.0, 3.0])
+    assert default_loss(out) == default_loss((out, "x")) == default_loss({"logits": out}) == 5.0
+
+
+def test_a_variants_peak_is_its_own_state_plus_what_its_steps_add_over_the_turns_start():
+    from gradsync.tools.devicebench import variant_peak
+
+    # 100 held by the others and 30 its own when the turn began; its steps reached 180
+    assert variant_peak(own=30, start=130, peak=180) == 80
+    assert variant_peak(own=30, start=130, peak=120) == 30  # peak below the start: its own state
+    assert variant_peak(None, None, None) is None  # not measured (CPU)
+
+
+def test_the_device_report_has_a_row_per_model_and_extra_columns():
+    from gradsync.tools.bench import Comparison, markdown_table
+    from gradsync.tools.devicebench import report, summary_json, summary_table
+
+    c = Comparison(["no DDP", "torch DDP", "torch DDP (again)", "gradsync"])
+    for t in (0.010, 0.011, 0.012):
+        for v, k in (("no DDP", 0.9), ("torch DDP", 1.0), ("torch DDP (again)", 1.0), ("gradsync", 1.1)):
+            c.add(v, t * k)
+    data = {"result": c, "tensors": 148, "parameters": 124e6, "nbytes": 2**29, "peak_bytes": {"gradsync": 3 * 2**30},
+            "build_s": {"gradsync": 1.0}, "same": {"gradsync": 0.0}, "describe": "GPT-2-small shape",
+            "rounds": 3, "repeat": 5}
+    table = summary_table({"gpt2_small": data})
+    head, _, row = table.splitlines()
+    assert "| torch's DDP / no DDP | gradsync / torch's DDP |" in head and "find_unused" not in head
+    assert row.startswith("| GPT-2-small shape | 148 | 1.111 (") and "| 1.100 (1.100–1.100) |" in row
+    text = report("gpt2_small", data, "world size 1")
+    assert "| peak MiB |" in text and "| 3,072 |" in text and "gradsync 0.0e+00" in text
+    assert summary_json(data)["pairs"]["gradsync / torch DDP"]["ratio"] == pytest.approx(1.1)
+    assert "| x |" not in markdown_table(c, "torch DDP", None, "ms")  # no extra columns unless asked

@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-__all__ = ["Comparison", "interleave", "markdown_table", "timed"]
+__all__ = ["Comparison", "interleave", "markdown_table", "mismatched", "timed"]
 
 
 class Comparison:
@@ -83,13 +83,16 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
 
 
 def markdown_table(
-    comparison: Comparison, baseline: str, aa: str | None, unit: str, scale: float = 1.0
+    comparison: Comparison, baseline: str, aa: str | None, unit: str, scale: float = 1.0,
+    extra: dict[str, dict[str, str]] | None = None,
 ) -> str:
     """Medians, interquartile spreads and paired ratios to `baseline` (with their 95 %
-    bootstrap intervals) as a markdown table."""
+    bootstrap intervals) as a markdown table; `extra` adds columns (heading: variant: text)."""
+    extra = extra or {}
     lines = [
-        f"| variant | median {unit} | IQR {unit} | ratio to {baseline} | 95 % interval |",
-        "|---|---:|---:|---:|---:|",
+        f"| variant | median {unit} | IQR {unit} | ratio to {baseline} | 95 % interval |"
+        + "".join(f" {head} |" for head in extra),
+        "|---|---:|---:|---:|---:|" + "---:|" * len(extra),
     ]
     for v in comparison.variants:
         lo, hi = comparison.spread(v)
@@ -98,6 +101,12 @@ def markdown_table(
         label = f"{v} (A/A noise)" if v == aa else v
         lines.append(
             f"| {label} | {comparison.median(v) * scale:.3f} | {lo * scale:.3f}–{hi * scale:.3f} "
-            f"| {ratio:.3f} | {r_lo:.3f}–{r_hi:.3f} |"
+            f"| {ratio:.3f} | {r_lo:.3f}–{r_hi:.3f} |" + "".join(f" {col.get(v, '')} |" for col in extra.values())
         )
     return "\n".join(lines)
+
+
+def mismatched(same: dict[str, dict[str, float]], tolerance: float = 1e-3) -> dict[str, dict[str, float]]:
+    """The models whose variants ended with parameters unlike torch DDP's: a difference above
+    `tolerance`, or NaN (a model that diverged compares as NaN, never as equal)."""
+    return {m: diffs for m, diffs in same.items() if not all(d <= tolerance for d in diffs.values())}

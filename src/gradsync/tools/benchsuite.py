@@ -13,6 +13,9 @@ a JSON file and a PNG chart.
 Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with gradient_as_bucket_view; gradsync with
 planned buckets (`bucket_cap_mb="auto"`); no overlap (plain backward, then one flat all-reduce);
 and the compute-only floor (no communication at all).
+
+With --device cuda (or cpu) or --model: the device bench (`gradsync.tools.devicebench`,
+described at the end of --help): GPU-sized models, CUDA-event times, peak memory, your own model.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from torch import nn
 from ..planning.autoplan import AutoBuckets
 from ..planning.planner import measure_comm_cpu, probe_cost_model, probe_sizes
 from ..wrapper.ddp import DistributedDataParallel
-from .bench import Comparison, interleave, markdown_table, timed
+from .bench import Comparison, interleave, markdown_table, mismatched, timed
 
 __all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "main", "mismatched"]
 
@@ -242,12 +245,6 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
     return "\n".join(lines)
 
 
-def mismatched(same: dict[str, dict[str, float]], tolerance: float = 1e-3) -> dict[str, dict[str, float]]:
-    """The models whose variants ended with parameters unlike torch DDP's: a difference above
-    `tolerance`, or NaN (a model that diverged compares as NaN, never as equal)."""
-    return {m: diffs for m, diffs in same.items() if not all(d <= tolerance for d in diffs.values())}
-
-
 def _floor_ms(data: dict, compute_extra_ms: float = 0.0) -> float:
     """The best a step can be: compute (plus `compute_extra_ms`) and communication overlapped
     perfectly."""
@@ -319,19 +316,73 @@ def chart(results: dict[str, dict], path: Path) -> Path:
     return save_figure(fig, path)
 
 
+DEVICE_HELP = """\
+The device bench (--device cuda or cpu, or --model): one device per rank (cuda:LOCAL_RANK;
+NCCL on a GPU, gloo on CPU), every variant from the same parameters with AdamW: the step
+without DDP (the floor), torch's DDP twice (A/A), gradsync by default, with
+gradient_as_bucket_view, and torch's DDP and gradsync with find_unused_parameters; variants
+interleaved round by round; CUDA-event step times on a GPU; paired ratios with 95 % intervals;
+peak memory per variant; the largest parameter difference from torch's DDP at the end.
+Built-in models: gpt2_small (GPT-2-small shape: vocab 50257, d=768, 12 layers, tied head, bf16
+autocast, 8 x 512 tokens), gpt_many (48 layers, d=256, 580 parameter tensors, 8 x 128 tokens),
+gpt_compiled (torch.compile of a 4-layer GPT-2-shape model, 8 x 512 tokens); --tiny shrinks them.
+
+  gradsync bench --device cuda --nproc 1                 # one GPU, NCCL at world size 1
+  gradsync bench --device cuda --quick                   # a smoke run: 3 rounds of 2 steps
+  torchrun --nproc-per-node 8 -m gradsync.tools.benchsuite --device cuda   # your cluster
+  gradsync bench --model mymodels:build --device cuda    # your own model
+
+--model MODULE:FUNCTION (or path/to/file.py:FUNCTION): FUNCTION() returns (model, batch) or
+(model, batch, loss_fn). It is called once per rank with torch's seed set to 0; the model and
+the batch are moved to the rank's device; every variant trains a copy of the model on the batch.
+The batch is a tensor (model(batch)), a tuple or list (model(*batch)) or a dict
+(model(**batch)). loss_fn(output, batch) returns the scalar to backpropagate; without it the
+loss is output.float().pow(2).mean() (of the first tensor of a tuple, list or dict output).
+MODULE is imported from the current folder or the Python path.
+"""
+
+
+def device_path(args: argparse.Namespace) -> bool:
+    """Whether these options run the device bench (`devicebench`) rather than the CPU one."""
+    return args.device is not None
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__,
+    from .devicebench import DEVICE_MODELS, DEVICE_VARIANTS, OPTIONAL_VARIANTS
+
+    p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__, epilog=DEVICE_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: "
-                   f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: {', '.join(CLUSTER_MODELS)})")
-    p.add_argument("--rounds", type=int, default=25, help="measured rounds after the warm-up (default 25)")
-    p.add_argument("--repeat", type=int, default=8, help="steps per variant per round (default 8)")
+                   f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: {', '.join(CLUSTER_MODELS)}); "
+                   f"with --device, from {', '.join(DEVICE_MODELS)} (default: all three; none with --model)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measured rounds after the warm-up (default 25; with --device 15)")
+    p.add_argument("--repeat", type=int, default=None, help="steps per variant per round (default 8; with --device 5)")
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models, "
-                   "no warm-up for planned buckets' trial")
-    p.add_argument("--out", default="out/bench", help="folder for bench.md, bench.json, bench.png")
+                   "no warm-up for planned buckets' trial; with --device, 3 rounds of 2 steps")
+    p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
+                   "(default out/bench; with --device, out/bench-DEVICE)")
+    d = p.add_argument_group("the device bench")
+    d.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="run the device bench on this device (default: the CPU bench above; cpu with --model)")
+    d.add_argument("--model", default=None, metavar="MODULE:FUNCTION", help="bench your own model (see below)")
+    d.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(DEVICE_VARIANTS + OPTIONAL_VARIANTS)} "
+                   "(default: all but the optional ones; under torch.compile not the find_unused pair)")
+    d.add_argument("--tiny", action="store_true", help="the built-in models shrunk (same structure), for CPU")
+    d.add_argument("--compile", action="store_true", help="torch.compile your --model (the built-in gpt_compiled always is)")
+    d.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    d.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                   help="autocast your --model's forward (the built-in models always use bf16)")
     args = p.parse_args(argv)
+    if args.model is not None and args.device is None:
+        args.device = "cpu"
+    if device_path(args):
+        return _device_args(p, args, DEVICE_MODELS, DEVICE_VARIANTS + OPTIONAL_VARIANTS)
     if args.models is None:
         args.models = ",".join(LOOPBACK_MODELS)
+    args.rounds = 25 if args.rounds is None else args.rounds
+    args.repeat = 8 if args.repeat is None else args.repeat
+    args.out = args.out or "out/bench"
     if args.quick:
         args.rounds, args.repeat, args.models = 2, 2, "many_small,convnet"
     unknown = [m for m in args.models.split(",") if m not in MODELS]
@@ -340,8 +391,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _device_args(p: argparse.ArgumentParser, args: argparse.Namespace, models: tuple[str, ...],
+                 variants: tuple[str, ...]) -> argparse.Namespace:
+    if args.models is None:
+        args.device_models = [] if args.model else list(models)
+    else:
+        args.device_models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in args.device_models if m not in models]
+    if unknown:
+        p.error(f"--device: unknown models {unknown} (choose from {list(models)}, or bench your own with --model)")
+    if args.quick:
+        args.rounds, args.repeat = args.rounds or 3, args.repeat or 2
+    args.rounds = 15 if args.rounds is None else args.rounds
+    args.repeat = 5 if args.repeat is None else args.repeat
+    if args.rounds < 2 or args.repeat < 1:
+        p.error("--device: --rounds must be at least 2 (a spread needs two) and --repeat at least 1")
+    wrong = [v for v in (args.variants or "").split(",") if v and v not in variants]
+    if wrong:
+        p.error(f"--variants: unknown {wrong} (choose from {list(variants)})")
+    if args.model is not None and ":" not in args.model:
+        p.error(f"--model {args.model!r}: expected MODULE:FUNCTION or path/to/file.py:FUNCTION")
+    args.out = args.out or f"out/bench-{args.device}"
+    return args
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    if device_path(args):
+        from . import devicebench
+
+        devicebench.main(args)
+        return
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     try:

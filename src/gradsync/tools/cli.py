@@ -22,9 +22,17 @@ def _run_on_ranks(args: argparse.Namespace, rest: list[str]) -> int:
     if args.help:
         print(usage)
         module.parse_args(["--help"])
+    parsed = module.parse_args(rest)  # bad values fail here, once, before any rank starts
+    if args.command == "bench" and module.device_path(parsed):
+        fewest = 1  # the device bench: a world of one is one GPU's step, with and without DDP
+        if args.nproc is None and parsed.device == "cuda":
+            import torch
+
+            args.nproc = max(1, torch.cuda.device_count())  # a rank per GPU
+    if args.nproc is None:
+        args.nproc = 2
     if args.nproc < fewest:
         raise SystemExit(f"gradsync {args.command}: --nproc must be at least {fewest}, got {args.nproc}")
-    module.parse_args(rest)  # bad values fail here, once, before any rank starts
     if getattr(args, "hosts", None):
         return _launch_on_cluster(args, module_name, rest)
     return _launch(args.nproc, module_name, rest, args.command)
@@ -81,7 +89,8 @@ Job options, passed to every rank:"""
 
 _ON_RANKS = {  # command: (module run on every rank, fewest ranks, usage)
     "demo": ("gradsync.tools.demo", 1, DEMO_USAGE),
-    "bench": ("gradsync.tools.benchsuite", 2, "usage: gradsync bench [--nproc N] [bench options]\n"),
+    "bench": ("gradsync.tools.benchsuite", 2, "usage: gradsync bench [--nproc N] [bench options]\n"
+              "(--nproc at least 2 for the CPU bench, 1 for the device bench)\n"),
     "probe": ("gradsync.planning.probe", 1, "usage: gradsync probe [--nproc N] [probe options]\n"),
 }
 
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help_text in _ON_RANKS_HELP.items():  # options after --nproc go to the ranks
         on_ranks = sub.add_parser(name, add_help=False, help=help_text)
-        on_ranks.add_argument("--nproc", type=int, default=2, help="local ranks (default 2)")
+        on_ranks.add_argument("--nproc", type=int, default=None,
+                              help="local ranks (default 2; bench --device cuda: one per GPU)")
         on_ranks.add_argument("-h", "--help", action="store_true")
         if name == "bench":  # the emulated cluster: one host per rank, each on a shaped link
             on_ranks.add_argument("--hosts", type=int, default=0,
