@@ -19,6 +19,7 @@ first rank to raise is re-raised as `RankError` naming its rank.
 from __future__ import annotations
 
 import atexit
+import collections
 import datetime
 import functools
 import gc
@@ -160,15 +161,37 @@ def run_threaded(
     prefix = f"run_threaded/{time.monotonic_ns()}"
     outcomes: queue.Queue[tuple[int, bool, Any]] = queue.Queue()
 
+    groups: list[dist.ProcessGroup] = []
+
     def body(rank: int) -> None:
         try:
             group_store = dist.PrefixStore(prefix, store)
             group = make_gloo_group(group_store, rank, world_size, timeout)
+            groups.append(group)
             extra = (group_store,) if with_store else ()
             outcomes.put((rank, True, fn(rank, group, *extra, *args, **kwargs)))
         except BaseException as error:  # noqa: BLE001 - everything goes back to the caller
             outcomes.put((rank, False, _describe_failure(error)))
 
+    try:
+        return _run_rank_threads(body, outcomes, world_size, timeout)
+    finally:
+        _LINGERING_GROUPS.extend(groups)
+
+
+# The last runs' groups, kept a while and then dropped here, on the main thread. A hook's `then`
+# callback runs on gloo's own thread and may hold a group (its closure) after the rank thread
+# is gone; freed there, the group would be destroyed on its own thread, which cannot join itself
+# ("Resource deadlock avoided": the process aborts; 1 to 3 runs in 12 of
+# tests/threaded/test_late_landing.py before this). By the time a group leaves this queue its
+# callbacks have long run.
+_LINGERING_GROUPS: collections.deque[dist.ProcessGroup] = collections.deque(maxlen=16)
+
+
+def _run_rank_threads(
+    body: Callable[[int], None], outcomes: queue.Queue[tuple[int, bool, Any]], world_size: int, timeout: float
+) -> list[Any]:
+    """Run `body(rank)` on a daemon thread per rank and collect what each put on `outcomes`."""
     threads = [
         threading.Thread(target=body, args=(r,), name=f"rank{r}", daemon=True)
         for r in range(world_size)
@@ -190,8 +213,13 @@ def _collect_cycles_before_exit() -> None:
     finalization, freeing them there aborted a script ("terminate called without an active
     exception"; 3 runs of 3 with torch's DDP alone). This collection alone left 2 aborts in 20:
     a rank thread that had reported but not yet returned still held its group, hence also the
-    join in `run_threaded` (0 aborts in 50 with both)."""
-    atexit.register(gc.collect)
+    join in `run_threaded` (0 aborts in 50 with both). The lingering groups go then too."""
+    atexit.register(_free_at_exit)
+
+
+def _free_at_exit() -> None:
+    gc.collect()
+    _LINGERING_GROUPS.clear()
 
 
 def _collect(outcomes: Any, world_size: int, timeout: float, what: str) -> list[Any]:
@@ -331,7 +359,15 @@ def run_torchrun(
     worker survives, and `RankTimeoutError` carries what it printed. Interrupted any other
     way (a test's own timeout, ^C), it is killed too before the exception goes on.
     """
-    cmd = [
+    cmd = _torchrun_command(script, nproc, script_args, module, launcher_args)
+    return _run_launcher(cmd, script, timeout, env)
+
+
+def _torchrun_command(
+    script: str, nproc: int, script_args: Sequence[str], module: bool, launcher_args: Sequence[str]
+) -> list[str]:
+    """The launcher's command line, run by this interpreter."""
+    return [
         sys.executable,
         "-m",
         "torch.distributed.run",
@@ -343,6 +379,13 @@ def run_torchrun(
         script,
         *script_args,
     ]
+
+
+def _run_launcher(
+    cmd: list[str], script: str, timeout: float, env: dict[str, str] | None
+) -> subprocess.CompletedProcess[str]:
+    """Start the launcher in a session of its own and wait for it; on any way out but its own
+    exit, kill that whole session first."""
     proc = subprocess.Popen(
         cmd,
         stdout=subprocess.PIPE,

@@ -45,6 +45,20 @@ def compute_bucket_assignment_by_size(
     """
     _check_assignment_args(tensors, bucket_size_limits, expect_sparse_gradient, tensor_indices)
     limits = [int(limit) for limit in bucket_size_limits]
+    result = _fill_buckets(tensors, limits, expect_sparse_gradient, tensor_indices)
+    if tensor_indices is None:
+        result.sort(key=lambda item: min(item[0]))
+    return [indices for indices, _ in result], [limit for _, limit in result]
+
+
+def _fill_buckets(
+    tensors: Sequence[torch.Tensor],
+    limits: list[int],
+    expect_sparse_gradient: Sequence[bool] | None,
+    tensor_indices: Sequence[int] | None,
+) -> list[tuple[list[int], int]]:
+    """One pass over `tensors` in the order given: `(indices, limit)` per bucket, full buckets
+    in the order they filled, then each (dtype, device) group's partly filled one."""
     result: list[tuple[list[int], int]] = []
     open_buckets: dict[tuple[torch.dtype, torch.device], _OpenBucket] = {}
     for i, tensor in enumerate(tensors):
@@ -63,9 +77,7 @@ def compute_bucket_assignment_by_size(
     # Leftovers: torch emits them in hash-map order; we keep first-seen order, which is the
     # same thing whenever one (dtype, device) group is in play.
     result.extend((b.indices, b.limit) for b in open_buckets.values() if b.indices)
-    if tensor_indices is None:
-        result.sort(key=lambda item: min(item[0]))
-    return [indices for indices, _ in result], [limit for _, limit in result]
+    return result
 
 
 class _OpenBucket:

@@ -9,7 +9,9 @@ stall monitor's store.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from datetime import timedelta
+
+import torch.distributed as dist
 
 from .collectives import all_gather_objects
 from .errors import (
@@ -18,29 +20,31 @@ from .errors import (
     missing_gradients_message,
     unfinished_reduction_message,
 )
-
-if TYPE_CHECKING:
-    from .reducer import Reducer
+from .waits import StallMonitor
 
 __all__ = ["missing_gradients_error", "unfinished_iteration_error"]
 
 
-def missing_gradients_error(reducer: Reducer) -> GradSyncError:
-    mine = [(reducer._bucket_of[i].index, reducer.names[i]) for i in reducer._missing]
-    everyone = [mine] if reducer.world_size == 1 else all_gather_objects(
-        reducer.process_group, mine, reducer.config.timeout
-    )
-    per_rank = {r: names for r, names in enumerate(everyone) if names}
-    return GradSyncError(missing_gradients_message(
-        per_rank, reducer.iteration, reducer._find_unused, reducer._static is not None, reducer.rank  # type: ignore[arg-type]
-    ))
+def missing_gradients_error(
+    mine: list[tuple[int, str]], iteration: int, rank: int, group: dist.ProcessGroup | None,
+    timeout: timedelta, find_unused: bool, static: bool,
+) -> GradSyncError:
+    """The error for gradients that never came: this rank's `mine` ((bucket, name) pairs) and,
+    with `group`, every rank's, gathered (a collective every rank enters)."""
+    if group is None or group.size() == 1:
+        per_rank = {rank: mine} if mine else {}
+    else:
+        everyone = all_gather_objects(group, mine, timeout)
+        per_rank = {r: names for r, names in enumerate(everyone) if names}  # type: ignore[misc]
+    return GradSyncError(missing_gradients_message(per_rank, iteration, find_unused, static, rank))  # type: ignore[arg-type]
 
 
-def unfinished_iteration_error(reducer: Reducer) -> GradSyncError:
-    missing = [reducer.names[i] for i, done in enumerate(reducer._marked) if not done]
-    message = unfinished_reduction_message(missing, reducer.rank, reducer._find_unused, reducer.iteration)
-    monitor = reducer._waits.monitor
+def unfinished_iteration_error(missing: list[str], rank: int, find_unused: bool, iteration: int,
+                               monitor: StallMonitor | None) -> GradSyncError:
+    """The error at the next forward for an iteration whose end of backward was never seen:
+    this rank's `missing` names, and what the other ranks published through the monitor."""
+    message = unfinished_reduction_message(missing, rank, find_unused, iteration)
     if monitor is not None:  # what the other ranks reported, if they got here first
-        for rank, names in sorted(monitor.publish_missing(reducer.iteration, missing).items()):
-            message += f"\nRank {rank} reported {len(names)} missing: {format_names(names)}"
+        for other, names in sorted(monitor.publish_missing(iteration, missing).items()):
+            message += f"\nRank {other} reported {len(names)} missing: {format_names(names)}"
     return GradSyncError(message)

@@ -13,43 +13,56 @@ iteration's averages, exactly as the ranks still training step theirs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import dataclasses
 
 import torch
+import torch.distributed as dist
 
+from .accumulation import Reports
+from .bucket import Bucket
+from .bucket_set import BucketSet, settle
 from .comm import HookChain
+from .finish import Finisher
+from .iteration import Iteration
+from .settings import Settings
+from .used_map import UsedMap
+from .waits import Waits
 
-if TYPE_CHECKING:
-    from .bucket import Bucket
-    from .reducer import Reducer
-
-__all__ = ["shadow_iteration"]
+__all__ = ["Joined", "shadow_iteration"]
 
 
-def shadow_iteration(reducer: Reducer) -> None:
-    reducer._rebuild_if_due()
-    reducer._missing, reducer._micro_steps = [], 0
-    reducer._waits.begin(reducer.iteration, reducer.config.timeout, [], watch=False)
-    ride = reducer._reports_ride_along()
-    device = reducer.buckets[0].buffer.device
-    try:
-        for bucket in reducer.buckets:
-            _zero(bucket)
-        if reducer.comm_hook is not None and not reducer.sharded:  # sharded: the buckets run it
-            _shadow_hooks(reducer)
-        else:
-            for bucket in reducer.buckets:
-                _shadow_bucket(reducer, bucket, ride)
-        used = _shadow_used_map(reducer, device)
-        if not ride:
-            reducer._start_reports()  # it counts 0 micro-steps, nothing missing
-        reducer._check_reports()
-        for bucket in reducer.buckets:  # nothing for a sharded bucket: its sum is its shard
-            if not bucket.sparse:  # a sparse one sent a dense zero: nothing of its own to take
-                bucket.write_back(used, reducer.config.gradient_as_bucket_view)
-        reducer.last_used, reducer.reductions = used, reducer.reductions + 1
-    finally:
-        reducer._clear_reduction()
+@dataclasses.dataclass(frozen=True)
+class Joined:
+    """What a joined rank's shadow iteration runs through: the Reducer's units."""
+
+    settings: Settings
+    buckets: BucketSet
+    group: dist.ProcessGroup
+    waits: Waits
+    used: UsedMap
+    reports: Reports
+    finisher: Finisher
+
+
+def shadow_iteration(parts: Joined, it: Iteration) -> list[int] | None:
+    """One iteration's collectives on zeroed buckets (`it`: no micro-step, nothing missing);
+    the sums written back as an active rank's are. Returns the used map written back with."""
+    buckets, s = parts.buckets.buckets, parts.settings
+    for bucket in buckets:
+        _zero(bucket)
+    if s.comm_hook is not None and parts.buckets.shards is None:  # sharded: the buckets run it
+        _shadow_hooks(parts)
+    else:
+        for bucket in buckets:
+            _shadow_bucket(parts, it, bucket)
+    used = _shadow_used_map(parts, buckets[0].buffer.device)
+    if not it.ride:
+        parts.finisher.start_reports(it)  # it counts 0 micro-steps, nothing missing
+    parts.finisher.check_reports(it)
+    for bucket in buckets:  # nothing for a sharded bucket: its sum is its shard
+        if not bucket.sparse:  # a sparse one sent a dense zero: nothing of its own to take
+            bucket.write_back(used, s.config.gradient_as_bucket_view)
+    return used
 
 
 def _zero(bucket: Bucket) -> None:
@@ -60,40 +73,39 @@ def _zero(bucket: Bucket) -> None:
     bucket.wire.zero_()
 
 
-def _shadow_bucket(reducer: Reducer, bucket: Bucket, ride: bool) -> None:
-    """The bucket's collective on zeros, as `Reducer._launch_ready` starts it, waited for."""
+def _shadow_bucket(parts: Joined, it: Iteration, bucket: Bucket) -> None:
+    """The bucket's collective on zeros, as `Reducer._launch` starts it, waited for."""
     if bucket.sparse:  # an active rank's sparse sum: this rank's part is a dense zero
-        reducer._waits(reducer.process_group.allreduce([torch.zeros_like(bucket.buffer)]),
-                       f"shadow all-reduce {bucket.index} of a joined rank")
+        parts.waits(parts.group.allreduce([torch.zeros_like(bucket.buffer)]),
+                    f"shadow all-reduce {bucket.index} of a joined rank")
         bucket.sparse_grad = None
         return
-    payload = bucket.launch_payload(reducer.config.reduce_dtype if reducer._scale_at_launch else None,
-                                    reducer._divisor)
-    tail = bucket.tail if ride else None
-    work = bucket.start(reducer.process_group, payload if tail is None else bucket.wire)
-    reducer._waits(work, f"shadow reduction {bucket.index} of a joined rank")
+    s = parts.settings
+    payload = bucket.launch_payload(s.config.reduce_dtype if s.scale_at_launch else None, it.divisor)
+    tail = bucket.tail if it.ride else None
+    work = bucket.start(parts.group, payload if tail is None else bucket.wire)
+    parts.waits(work, f"shadow reduction {bucket.index} of a joined rank")
     if tail is not None:  # the active ranks' reports came back in the last bucket's tail
-        reducer._reports.received(tail.clone() if bucket.transient else tail)
+        parts.reports.received(tail.clone() if bucket.transient else tail)
     if bucket.collective == "reduce_scatter":  # its shard taken, its buffer back to the pool;
-        reducer._settle(bucket, record=False)  # no iteration's timeline of this rank to add to
+        settle(bucket, parts.waits, None)  # no iteration's timeline of this rank to add to
 
 
-def _shadow_used_map(reducer: Reducer, device: torch.device) -> list[int] | None:
+def _shadow_used_map(parts: Joined, device: torch.device) -> list[int] | None:
     """The used map with nothing used here: which parameters the active ranks used."""
-    if not reducer._find_unused:
+    if not parts.settings.find_unused:
         return None
-    reducer._used.clear()
-    reducer._used.start(device, reducer.config.report_unused)
-    return reducer._used.finish(reducer._waits)
+    parts.used.clear()
+    parts.used.start(device, parts.settings.config.report_unused)
+    return parts.used.finish(parts.waits)
 
 
-def _shadow_hooks(reducer: Reducer) -> None:
+def _shadow_hooks(parts: Joined) -> None:
     """Run the hook on the zeroed buckets: it issues the same collectives as the active
     ranks', and its results are taken as theirs are."""
-    state, hook = reducer.comm_hook  # type: ignore[misc]
-    chain = HookChain(
-        state, hook, reducer.buckets, reducer.process_group, [], lambda b: f"joined rank's bucket {b}", reducer._clock
-    )
-    chain.release(len(reducer.buckets))
-    for bucket in reducer.buckets:
-        bucket.accept(chain.result(bucket, reducer.config.timeout))
+    state, hook = parts.settings.comm_hook  # type: ignore[misc]
+    buckets = parts.buckets.buckets
+    chain = HookChain(state, hook, buckets, parts.group, [], lambda b: f"joined rank's bucket {b}", parts.settings.clock)
+    chain.release(len(buckets))
+    for bucket in buckets:
+        bucket.accept(chain.result(bucket, parts.settings.config.timeout))

@@ -9,14 +9,13 @@ used map (which parameters got a gradient on some rank) holds for good.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
+from .iteration import Iteration
 from .timeline import EventKind
-
-if TYPE_CHECKING:
-    from .reducer import Reducer
+from .used_map import UsedMap
 
 __all__ = ["StaticGraph", "finish_first_iteration", "learning_fire"]
 
@@ -59,26 +58,27 @@ class StaticGraph:
         return self.used_map
 
 
-def learning_fire(reducer: Reducer, index: int, param: torch.Tensor) -> None:
+def learning_fire(static: StaticGraph, it: Iteration, used: UsedMap, index: int, param: torch.Tensor,
+                  queue_end: Callable[[Iteration], None]) -> None:
     """A hook in the first iteration: counted (by `StaticGraph.fire`); reduced at its end."""
     if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
-        reducer._used.local[index] = 1
-    if reducer._static is not None and reducer._static.fires[index] == 1:
-        reducer._timeline.events.append((reducer._grad_clock(), EventKind.READY, index))
-    if not reducer._watching and not reducer._end_queued:  # no outputs seen: best effort
-        reducer._queue_end_of_backward()
+        used.local[index] = 1
+    if static.fires[index] == 1:
+        it.timeline.events.append((it.grad_clock(), EventKind.READY, index))
+    if not it.watching and not it.end_queued:  # no outputs seen: best effort
+        queue_end(it)
 
 
-def finish_first_iteration(reducer: Reducer) -> None:
-    """End of the first backward: learn the counts, then reduce everything."""
-    assert reducer._static is not None
-    fired = reducer._timeline.ready_order()
-    unused = reducer._static.learn()
-    reducer._timeline.events.clear()
+def finish_first_iteration(static: StaticGraph, it: Iteration, mark: Callable[[Iteration, int, int], None],
+                           start_used_map: Callable[[Iteration], None], finish: Callable[[], None]) -> None:
+    """End of the first backward: learn the counts, then reduce everything (`mark` each
+    parameter ready, the fired ones in their order), the used map too, and `finish`."""
+    fired = it.timeline.ready_order()
+    unused = static.learn()
+    it.timeline.events.clear()
     for index in fired:
-        reducer._mark(index, EventKind.READY)
+        mark(it, index, EventKind.READY)
     for index in unused:
-        reducer._mark(index, EventKind.UNUSED)
-    if reducer._chain is None:
-        reducer._used.start(reducer.buckets[0].buffer.device, False)
-    reducer.finish_backward()
+        mark(it, index, EventKind.UNUSED)
+    start_used_map(it)
+    finish()

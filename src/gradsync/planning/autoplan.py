@@ -213,20 +213,13 @@ class AutoBuckets:
     # --------------------------------------------------------------------------- plan
 
     def _start(self, reducer: Reducer) -> None:
+        """Plan from the warm-up's timings (and replan after drift): price the all-reduce,
+        draw the plan, then start the trial of it against the current layout."""
         ready = self._agreed_ready_ms(reducer)
-        buffer = reducer.buckets[0].buffer
         nbytes = [p.numel() * p.element_size() for p in reducer.params]
         contention = self._contention(reducer, sum(nbytes))
         saturated = self.saturated if self.saturated is not None else bool(contention and contention.saturated)
-        sizes, timeout = probe_sizes(sum(nbytes)), reducer.config.timeout
-        if self.cost is not None:
-            cost = self.cost
-        elif saturated:
-            cost = probe_under_load(reducer.process_group, buffer.dtype, sizes, timeout=timeout).cost
-        elif buffer.device.type == "cpu":  # collectives overlap, but need the busy cores: priced queued during compute
-            cost = probe_during_compute(reducer.process_group, buffer.dtype, sizes, timeout=timeout)
-        else:  # on a GPU they run on the device's own engines
-            cost = probe_cost_model(reducer.process_group, buffer.dtype, buffer.device, sizes)
+        cost = self._cost_model(reducer, sum(nbytes), saturated)
         current = reducer.bucket_indices
         one = _plan(reducer, ready, nbytes, CostModel(1e9, 0.0))  # one per dtype/device
         planned = one if saturated else _plan(reducer, ready, nbytes, cost)
@@ -237,31 +230,24 @@ class AutoBuckets:
             replans=self.plan.replans + 1 if self.plan is not None else 0, saturated=saturated,
             contention=contention.share if contention is not None else None,
         )
-        layouts = {CURRENT: current}
-        # On a saturated host an overlapping plan is what the measured model rules out: only
-        # the plan (one bucket) is tried against the current layout.
-        others = [(PLANNED, planned)]
-        if not saturated:
-            # A latency ladder: a short probe of a matrix-product loop is not backward, and on
-            # the emulated 2 Gbit/s hosts the plan at four times the probed latency beat the plan
-            # itself in every trial (153 against 169 ms, 113 against 118), and a GPT ran fastest
-            # with 2 MiB buckets, 8 where the plan had 22.
-            others += [(name, _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * k, cost.beta_ms_per_byte)))
-                       for name, k in LADDER]
-            # Each plan's even twin: the ready times it is drawn from are measured before any
-            # bucket overlaps, and backward stretches once they do, so its boundaries (small
-            # buckets first, a large one last, whose all-reduce is then the tail after
-            # backward) fit a profile that no longer holds. In a trial on the emulated 2 Gbit/s
-            # hosts the residual MLP's coarse plan ran 122 ms and its even twin 105 (the GPT's
-            # coarse plan 168 and its twin 165).
-            others += [(EVEN + name, _even(reducer, ready, nbytes, len(layout))) for name, layout in others
-                       if len(layout) > 1] + [(ONE, one)]
-        for name, layout in others:
-            if all(layout != other for other in layouts.values()):
-                layouts[name] = layout
+        layouts = _trial_layouts(reducer, ready, nbytes, cost, saturated, current, planned, one)
         self._trial = _Trial.of(layouts, self.rounds, self.per_slot)
         log.info("rank %d: %s", reducer.rank, self.plan)
         self._advance_trial(reducer, self._trial)
+
+    def _cost_model(self, reducer: Reducer, total_bytes: int, saturated: bool) -> CostModel:
+        """The all-reduce's cost as it will be paid during backward: forced, or probed the way
+        collectives meet compute on this host (under load, queued during compute, or idle)."""
+        buffer = reducer.buckets[0].buffer
+        sizes, timeout = probe_sizes(total_bytes), reducer.config.timeout
+        if self.cost is not None:
+            return self.cost
+        if saturated:
+            return probe_under_load(reducer.process_group, buffer.dtype, sizes, timeout=timeout).cost
+        if buffer.device.type == "cpu":  # collectives overlap, but need the busy cores: priced queued during compute
+            return probe_during_compute(reducer.process_group, buffer.dtype, sizes, timeout=timeout)
+        # on a GPU they run on the device's own engines
+        return probe_cost_model(reducer.process_group, buffer.dtype, buffer.device, sizes)
 
     def _advance_trial(self, reducer: Reducer, trial: _Trial) -> None:
         pos = trial.position
@@ -358,6 +344,37 @@ class AutoBuckets:
                 if kind in (EventKind.READY, EventKind.UNUSED):
                     per_param[i].append((t - tl.start_ns) * 1e-6)
         return _agreed_max(reducer, [statistics.median(v) if v else 0.0 for v in per_param])
+
+
+def _trial_layouts(
+    reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostModel, saturated: bool,
+    current: list[list[int]], planned: list[list[int]], one: list[list[int]],
+) -> dict[str, list[list[int]]]:
+    """The layouts the trial screens, by name: the current one first, then each candidate
+    that differs from every layout already in."""
+    layouts = {CURRENT: current}
+    # On a saturated host an overlapping plan is what the measured model rules out: only
+    # the plan (one bucket) is tried against the current layout.
+    others = [(PLANNED, planned)]
+    if not saturated:
+        # A latency ladder: a short probe of a matrix-product loop is not backward, and on
+        # the emulated 2 Gbit/s hosts the plan at four times the probed latency beat the plan
+        # itself in every trial (153 against 169 ms, 113 against 118), and a GPT ran fastest
+        # with 2 MiB buckets, 8 where the plan had 22.
+        others += [(name, _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * k, cost.beta_ms_per_byte)))
+                   for name, k in LADDER]
+        # Each plan's even twin: the ready times it is drawn from are measured before any
+        # bucket overlaps, and backward stretches once they do, so its boundaries (small
+        # buckets first, a large one last, whose all-reduce is then the tail after
+        # backward) fit a profile that no longer holds. In a trial on the emulated 2 Gbit/s
+        # hosts the residual MLP's coarse plan ran 122 ms and its even twin 105 (the GPT's
+        # coarse plan 168 and its twin 165).
+        others += [(EVEN + name, _even(reducer, ready, nbytes, len(layout))) for name, layout in others
+                   if len(layout) > 1] + [(ONE, one)]
+    for name, layout in others:
+        if all(layout != other for other in layouts.values()):
+            layouts[name] = layout
+    return layouts
 
 
 def _plan(reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostModel) -> list[list[int]]:

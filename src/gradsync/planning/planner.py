@@ -211,7 +211,29 @@ def probe_under_load(
     a = torch.randn(96, 96)
     products = max(int(busy_ms * 1e-3 / _seconds_per_product(a, group, timeout)), launches + 1)
     element = torch.empty(0, dtype=dtype).element_size()
-    end = torch.zeros(1, dtype=dtype)
+    step = _loaded_step(group, a, products, torch.zeros(1, dtype=dtype), timeout)
+    messages = [[torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes]
+    base, loaded = _time_loaded_steps(step, messages, repeats)
+    floor = statistics.median(t for t, _ in base)
+    marginal = [(statistics.median(t) - floor) / launches for t in loaded]
+    agreed = torch.tensor([floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64)
+    all_reduce(group, agreed, dist.ReduceOp.MAX, "loaded cost-model agreement", timeout)
+    step_ms, compute_ms, *costs = agreed.tolist()
+    # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
+    cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
+    return LoadProbe(group.size(), cost, compute_ms, step_ms)
+
+
+_LoadedStep = Callable[[list[torch.Tensor]], tuple[float, float]]
+
+
+def _loaded_step(
+    group: dist.ProcessGroup, a: torch.Tensor, products: int, end: torch.Tensor, timeout: timedelta
+) -> _LoadedStep:
+    """One probe step of `probe_under_load`: `products` matrix products with an all-reduce of
+    each given tensor started between equal chunks of them, as backward launches buckets, then
+    the tiny all-reduce of `end` that closes the step, as a last bucket would. The step returns
+    (its wall time, the time its compute took), in ms."""
 
     def step(tensors: list[torch.Tensor]) -> tuple[float, float]:
         works, chunk = [], products // (len(tensors) + 1)
@@ -226,23 +248,24 @@ def probe_under_load(
             wait(w, "loaded cost-model probe", group, timeout)
         return (time.perf_counter() - start) * 1e3, (computed - start) * 1e3
 
-    messages = [[torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes]
+    return step
+
+
+def _time_loaded_steps(
+    step: _LoadedStep, messages: list[list[torch.Tensor]], repeats: int
+) -> tuple[list[tuple[float, float]], list[list[float]]]:
+    """`repeats` rounds of steps without launches (base: wall and compute times) and with each
+    size's messages (loaded: wall times, by size), after a warm-up. Every rank runs the same
+    sequence, so their collectives pair up."""
     for _ in range(3):  # warm-up, into the steady state of back-to-back steps
         step([])
     base: list[tuple[float, float]] = []
-    loaded: list[list[float]] = [[] for _ in sizes]
+    loaded: list[list[float]] = [[] for _ in messages]
     for _ in range(repeats):  # interleaved, so drift hits every size alike
         for k, tensors in enumerate(messages):
             base.append(step([]))
             loaded[k].append(step(tensors)[0])
-    floor = statistics.median(t for t, _ in base)
-    marginal = [(statistics.median(t) - floor) / launches for t in loaded]
-    agreed = torch.tensor([floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64)
-    all_reduce(group, agreed, dist.ReduceOp.MAX, "loaded cost-model agreement", timeout)
-    step_ms, compute_ms, *costs = agreed.tolist()
-    # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
-    cost = fit_cost_model([float(s) for s in sizes], [max(c, 0.01) for c in costs])
-    return LoadProbe(group.size(), cost, compute_ms, step_ms)
+    return base, loaded
 
 
 @dataclasses.dataclass(frozen=True)

@@ -279,38 +279,43 @@ def simulate(
     host with probes for the profile's rank count and the predicted one, they price the step
     instead of the network and the fair-share stretch (see `_saturated`)."""
     host = host or Host()
-    nbytes = list(profile.nbytes)
-    default = default_layout(nbytes)
+    default = default_layout(list(profile.nbytes))
     loads = loads or {}
     out = []
     for n in ranks:
         if host.saturated(n) and n in loads and profile.world_size in loads:
             out.append(_saturated(profile, default, loads[profile.world_size], loads[n], n))
-            continue
-        k = host.stretch(n) / host.stretch(profile.world_size)
-        ready = [t * k for t in profile.ready_ms]
-        forward, backward = profile.forward_ms * k, profile.backward_ms * k
-        cost = network.cost(n)
-        serial = host.saturated(n)
-        if serial:  # communication waits for cores: it adds to compute, and stretches like it
-            cost = CostModel(cost.alpha_ms * host.stretch(n), cost.beta_ms_per_byte * host.stretch(n))
-            reducer = _Reducer()  # the probes under load price the step as measured
-        else:  # the reducer's own copies are compute: they stretch like it
-            reducer = _Reducer(profile.fill_ms_per_byte * k, profile.tail_ms * k)
-        share = host.contention(n, network.bandwidth_gbps)
-        planned = _plan(ready, nbytes, cost, serial, share, reducer)
-        out.append(
-            Prediction(
-                ranks=n,
-                default_ms=forward + _finish(ready, nbytes, default, cost, serial, share, reducer),
-                planned_ms=forward + _finish(ready, nbytes, planned, cost, serial, share, reducer),
-                no_overlap_ms=forward + backward + reducer.fill(sum(nbytes)) + cost.time_ms(sum(nbytes)) + reducer.tail_ms,
-                planned_buckets=len(planned),
-                compute_ms=forward + backward,
-                planned_layout=tuple(tuple(b) for b in planned),
-            )
-        )
+        else:
+            out.append(_modelled(profile, network, host, default, n))
     return out
+
+
+def _modelled(profile: Profile, network: Network, host: Host, default: list[list[int]], n: int) -> Prediction:
+    """The prediction at `n` ranks from the models alone: the profile's compute stretched as
+    the host shares its cores, the network's cost, and the default and planned layouts
+    replayed over both."""
+    nbytes = list(profile.nbytes)
+    k = host.stretch(n) / host.stretch(profile.world_size)
+    ready = [t * k for t in profile.ready_ms]
+    forward, backward = profile.forward_ms * k, profile.backward_ms * k
+    cost = network.cost(n)
+    serial = host.saturated(n)
+    if serial:  # communication waits for cores: it adds to compute, and stretches like it
+        cost = CostModel(cost.alpha_ms * host.stretch(n), cost.beta_ms_per_byte * host.stretch(n))
+        reducer = _Reducer()  # the probes under load price the step as measured
+    else:  # the reducer's own copies are compute: they stretch like it
+        reducer = _Reducer(profile.fill_ms_per_byte * k, profile.tail_ms * k)
+    share = host.contention(n, network.bandwidth_gbps)
+    planned = _plan(ready, nbytes, cost, serial, share, reducer)
+    return Prediction(
+        ranks=n,
+        default_ms=forward + _finish(ready, nbytes, default, cost, serial, share, reducer),
+        planned_ms=forward + _finish(ready, nbytes, planned, cost, serial, share, reducer),
+        no_overlap_ms=forward + backward + reducer.fill(sum(nbytes)) + cost.time_ms(sum(nbytes)) + reducer.tail_ms,
+        planned_buckets=len(planned),
+        compute_ms=forward + backward,
+        planned_layout=tuple(tuple(b) for b in planned),
+    )
 
 
 def _saturated(

@@ -151,21 +151,24 @@ def _loss(out: torch.Tensor) -> torch.Tensor:
     return out.float().pow(2).mean()
 
 
-def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list]):
-    torch.manual_seed(0)
-    model, make_input = MODELS[model_name]()
-    wrapped: nn.Module
+def _wrap_variant(name: str, model: nn.Module) -> nn.Module:
+    """The variant's wrapper around `model`, chosen by its name (`VARIANTS`)."""
     if name.startswith("torch DDP"):  # "(again)": the A/A pair that shows the noise
-        wrapped = nn.parallel.DistributedDataParallel(model)
-    elif name.startswith("gradsync"):
+        return nn.parallel.DistributedDataParallel(model)
+    if name.startswith("gradsync"):
         kwargs: dict[str, Any] = {"gradient_as_bucket_view": True} if "as_view" in name else {}
         if "planned" in name:
             kwargs["bucket_cap_mb"] = "auto"
-        wrapped = DistributedDataParallel(model, **kwargs)
-    elif name == "no overlap":
-        wrapped = _FlatAfterBackward(model, None)
-    else:
-        wrapped = model
+        return DistributedDataParallel(model, **kwargs)
+    if name == "no overlap":
+        return _FlatAfterBackward(model, None)
+    return model
+
+
+def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list]):
+    torch.manual_seed(0)
+    model, make_input = MODELS[model_name]()
+    wrapped = _wrap_variant(name, model)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [make_input(g) for _ in range(4)]
@@ -350,29 +353,7 @@ def device_path(args: argparse.Namespace) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from .devicebench import DEVICE_MODELS, DEVICE_VARIANTS, OPTIONAL_VARIANTS
 
-    p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__, epilog=DEVICE_HELP,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: "
-                   f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: {', '.join(CLUSTER_MODELS)}); "
-                   f"with --device, from {', '.join(DEVICE_MODELS)} (default: all three; none with --model)")
-    p.add_argument("--rounds", type=int, default=None,
-                   help="measured rounds after the warm-up (default 25; with --device 15)")
-    p.add_argument("--repeat", type=int, default=None, help="steps per variant per round (default 8; with --device 5)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models, "
-                   "no warm-up for planned buckets' trial; with --device, 3 rounds of 2 steps")
-    p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
-                   "(default out/bench; with --device, out/bench-DEVICE)")
-    d = p.add_argument_group("the device bench")
-    d.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="run the device bench on this device (default: the CPU bench above; cpu with --model)")
-    d.add_argument("--model", default=None, metavar="MODULE:FUNCTION", help="bench your own model (see below)")
-    d.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(DEVICE_VARIANTS + OPTIONAL_VARIANTS)} "
-                   "(default: all but the optional ones; under torch.compile not the find_unused pair)")
-    d.add_argument("--tiny", action="store_true", help="the built-in models shrunk (same structure), for CPU")
-    d.add_argument("--compile", action="store_true", help="torch.compile your --model (the built-in gpt_compiled always is)")
-    d.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
-    d.add_argument("--autocast", choices=["none", "bf16"], default="none",
-                   help="autocast your --model's forward (the built-in models always use bf16)")
+    p = _parser(DEVICE_MODELS, DEVICE_VARIANTS + OPTIONAL_VARIANTS)
     args = p.parse_args(argv)
     if args.model is not None and args.device is None:
         args.device = "cpu"
@@ -389,6 +370,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or args.rounds < 1 or args.repeat < 1:
         p.error(f"unknown models {unknown} (choose from {list(MODELS)}), or rounds/repeat below 1")
     return args
+
+
+def _parser(device_models: tuple[str, ...], device_variants: tuple[str, ...]) -> argparse.ArgumentParser:
+    """The bench's options; defaults that depend on which bench runs are left None for
+    `parse_args` (the CPU bench) or `_device_args` (the device bench) to fill in."""
+    p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__, epilog=DEVICE_HELP,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: "
+                   f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: {', '.join(CLUSTER_MODELS)}); "
+                   f"with --device, from {', '.join(device_models)} (default: all three; none with --model)")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="measured rounds after the warm-up (default 25; with --device 15)")
+    p.add_argument("--repeat", type=int, default=None, help="steps per variant per round (default 8; with --device 5)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models, "
+                   "no warm-up for planned buckets' trial; with --device, 3 rounds of 2 steps")
+    p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
+                   "(default out/bench; with --device, out/bench-DEVICE)")
+    d = p.add_argument_group("the device bench")
+    d.add_argument("--device", choices=["cuda", "cpu"], default=None,
+                   help="run the device bench on this device (default: the CPU bench above; cpu with --model)")
+    d.add_argument("--model", default=None, metavar="MODULE:FUNCTION", help="bench your own model (see below)")
+    d.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(device_variants)} "
+                   "(default: all but the optional ones; under torch.compile not the find_unused pair)")
+    d.add_argument("--tiny", action="store_true", help="the built-in models shrunk (same structure), for CPU")
+    d.add_argument("--compile", action="store_true", help="torch.compile your --model (the built-in gpt_compiled always is)")
+    d.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+    d.add_argument("--autocast", choices=["none", "bf16"], default="none",
+                   help="autocast your --model's forward (the built-in models always use bf16)")
+    return p
 
 
 def _device_args(p: argparse.ArgumentParser, args: argparse.Namespace, models: tuple[str, ...],

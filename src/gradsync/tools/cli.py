@@ -105,6 +105,19 @@ _ON_RANKS_HELP = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
     sub = parser.add_subparsers(dest="command", required=True)
+    _add_on_ranks_commands(sub)
+    _add_simulate_command(sub)
+    args, rest = parser.parse_known_args(argv)
+    if args.command in _ON_RANKS:
+        return _run_on_ranks(args, rest)
+    if rest:
+        parser.error(f"unrecognised arguments: {' '.join(rest)}")
+    return _simulate(args)
+
+
+def _add_on_ranks_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """demo, bench, probe: only the launcher's own options are parsed here; the rest go to
+    the job on every rank, which checks them (`_run_on_ranks`)."""
     for name, help_text in _ON_RANKS_HELP.items():  # options after --nproc go to the ranks
         on_ranks = sub.add_parser(name, add_help=False, help=help_text)
         on_ranks.add_argument("--nproc", type=int, default=None,
@@ -116,6 +129,10 @@ def main(argv: list[str] | None = None) -> int:
             on_ranks.add_argument("--link", default="2gbit", help="each host's link rate (default 2gbit)")
             on_ranks.add_argument("--nproc-per-host", type=int, default=1)
             on_ranks.add_argument("--cluster-timeout", type=float, default=3600.0)
+
+
+def _add_simulate_command(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """simulate: runs here, in this process, with no ranks to start."""
     sim = sub.add_parser(
         "simulate",
         help="predict step time at 2..1024 ranks from a recorded timing profile",
@@ -138,12 +155,6 @@ def main(argv: list[str] | None = None) -> int:
                      help="probes under load (gradsync probe, or planner.probe_under_load(...).save), one per "
                      "rank count, the profile's included: on a saturated host they price the step")
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
-    args, rest = parser.parse_known_args(argv)
-    if args.command in _ON_RANKS:
-        return _run_on_ranks(args, rest)
-    if rest:
-        parser.error(f"unrecognised arguments: {' '.join(rest)}")
-    return _simulate(args)
 
 
 def _simulate(args: argparse.Namespace) -> int:

@@ -274,6 +274,27 @@ def _make_variant(name: str, work: Workload, device: torch.device, group: dist.P
     if work.compile_backend:
         runner = torch.compile(wrapped, backend=work.compile_backend)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None)
+    step = _training_step(work, runner, opt, device)
+    step()  # gradients, optimizer state, buckets (and the compiled graphs) exist from here on
+    own = None if before is None else memory.allocated() - before  # type: ignore[operator]
+    build_s[name] = time.perf_counter() - started
+    models[name] = model
+
+    def run() -> float:
+        start = memory.allocated()
+        memory.reset_peak()
+        seconds = _seconds_per_step(step, repeat, device)
+        got = variant_peak(own, start, memory.peak())
+        if got is not None:
+            peaks.setdefault(name, []).append(got)
+        return seconds
+
+    return run
+
+
+def _training_step(work: Workload, runner: Callable[..., Any], opt: torch.optim.Optimizer,
+                   device: torch.device) -> Callable[[], None]:
+    """One optimizer step of `runner` on the workload's next batch (they take turns)."""
     counter = [0]
 
     def step() -> None:
@@ -288,30 +309,21 @@ def _make_variant(name: str, work: Workload, device: torch.device, group: dist.P
         opt.step()
         counter[0] += 1
 
-    step()  # gradients, optimizer state, buckets (and the compiled graphs) exist from here on
-    own = None if before is None else memory.allocated() - before  # type: ignore[operator]
-    build_s[name] = time.perf_counter() - started
-    models[name] = model
+    return step
 
-    def run() -> float:
-        start = memory.allocated()
-        memory.reset_peak()
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(repeat):
-                step()
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1e3 / repeat
-        else:
-            seconds = timed(step, repeat)
-        got = variant_peak(own, start, memory.peak())
-        if got is not None:
-            peaks.setdefault(name, []).append(got)
-        return seconds
 
-    return run
+def _seconds_per_step(step: Callable[[], None], repeat: int, device: torch.device) -> float:
+    """`repeat` steps back to back, timed per step: on a GPU by CUDA events around them all
+    (the host returns before the device is done, so a host clock would time the launches)."""
+    if device.type == "cuda":
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(repeat):
+            step()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end) / 1e3 / repeat
+    return timed(step, repeat)
 
 
 def _warm_device(work: Workload, device: torch.device) -> None:

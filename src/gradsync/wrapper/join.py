@@ -4,23 +4,52 @@ torch's `Join` context calls `main_hook` on a joined rank once per iteration of 
 active; the hook issues, with zeros, exactly the collectives an active rank's forward and backward
 issue (see `DistributedDataParallel.forward`), so nobody waits for a partner that left. When all
 have joined, `post_hook` copies the model of the last rank to join onto every rank.
+
+The hook sees the wrapper only through `JoinedWrapper`: torch's public names, which this module
+reads and writes as torch's join hook does, and the buffers it is handed.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, broadcast_tensors, wait
 from ..engine.device import object_device
+from ..engine.reducer import Reducer
 
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
+__all__ = [
+    "DDPJoinHook",
+    "JoinedWrapper",
+    "all_reduce_flag",
+    "check_joinable",
+    "find_common_rank",
+    "sync_buffers_from_active_rank",
+]
 
-__all__ = ["DDPJoinHook", "all_reduce_flag", "find_common_rank"]
+
+class JoinedWrapper(Protocol):
+    """What a joined rank's hook needs of its wrapper: torch's public names."""
+
+    require_forward_param_sync: bool
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def process_group(self) -> dist.ProcessGroup: ...
+
+    @property
+    def reducer(self) -> Reducer | None: ...
+
+    @property
+    def forward_sync_buffers(self) -> bool: ...
+
+    def will_sync_module_buffers(self) -> bool: ...
 
 
 def find_common_rank(group: dist.ProcessGroup, rank: int, candidate: bool) -> int:
@@ -38,19 +67,45 @@ def all_reduce_flag(group: dist.ProcessGroup, value: bool) -> dist.Work:
     return group.allreduce([torch.tensor([1.0 if value else 0.0], device=object_device(group))])
 
 
+def sync_buffers_from_active_rank(
+    group: dist.ProcessGroup, buffers: list[torch.Tensor], is_active: bool, inside_join: bool
+) -> None:
+    """Broadcast `buffers` from rank 0, or, inside an enabled join(), from the highest rank still
+    training: rank 0 may have joined and hold stale buffers. Every rank calls it at the same
+    point, an active one from its forward, a joined one from `main_hook`."""
+    src = find_common_rank(group, group.rank(), is_active) if inside_join else 0
+    broadcast_tensors(group, buffers, src=src)
+
+
+def check_joinable(delayed: bool, auto: bool) -> None:
+    """Refuse join() for the wrapper's options whose collectives a joined rank cannot mirror."""
+    if delayed:
+        raise NotImplementedError(
+            "gradsync: join() does not support delay_all_reduce_named_params yet (a joined "
+            "rank cannot know where in backward the delayed all-reduce falls)"
+        )
+    if auto:
+        raise NotImplementedError(
+            'gradsync: join() does not support bucket_cap_mb="auto" yet (planning and its '
+            "trial run collectives a joined rank would not join); pass a number"
+        )
+
+
 class DDPJoinHook(JoinHook):
     """The joined rank's side of every collective of `DistributedDataParallel`."""
 
-    def __init__(self, ddp: DistributedDataParallel, divide_by_initial_world_size: bool) -> None:
+    def __init__(self, ddp: JoinedWrapper, buffers: list[torch.Tensor]) -> None:
         self.ddp = ddp
-        ddp._divide_by_initial_world_size = divide_by_initial_world_size
+        self.buffers = buffers  # those the wrapper broadcasts (`exclude_from_sync` left out)
 
     def main_hook(self) -> None:
-        ddp = self.ddp
-        flag = torch.zeros(1, device=object_device(ddp.process_group))
-        wait(ddp.process_group.allreduce([flag]), "join: backward-sync flag", ddp.process_group, DEFAULT_TIMEOUT)
+        ddp, group = self.ddp, self.ddp.process_group
+        flag = torch.zeros(1, device=object_device(group))
+        wait(group.allreduce([flag]), "join: backward-sync flag", group, DEFAULT_TIMEOUT)
         should_sync = flag.item() > 0
-        ddp._sync_buffers_from_active_rank(is_active=False)
+        # torch's Join runs main hooks only when enabled: the source is found among active ranks.
+        if ddp.will_sync_module_buffers():
+            sync_buffers_from_active_rank(group, self.buffers, is_active=False, inside_join=True)
         ddp.require_forward_param_sync = should_sync
         if should_sync and ddp.reducer is not None:
             ddp.reducer.shadow_iteration()
@@ -63,5 +118,5 @@ class DDPJoinHook(JoinHook):
         src = find_common_rank(ddp.process_group, ddp.process_group.rank(), is_last_joiner)
         tensors = [p.detach() for p in ddp.module.parameters()]
         if ddp.forward_sync_buffers:
-            tensors += ddp._buffers_to_sync
+            tensors += self.buffers
         broadcast_tensors(ddp.process_group, tensors, src=src)

@@ -7,7 +7,8 @@ call into it: `no_sync`, `require_backward_grad_sync`, `_get_ddp_logging_data()`
 `_delay_all_reduce`. gradsync's wrapper is a subclass of torch's class (so the checks pass) that
 never runs torch's constructor (so no C++ reducer, no second set of hooks). This module holds
 the pieces of that: torch's reducer method names on gradsync's Reducer, the logging data,
-and clear errors for the parts of torch's class that belong to its C++ reducer.
+and clear errors for the parts of torch's class that belong to its C++ reducer. It reads the
+wrapper only through `LoggedWrapper` (torch's public names) and what it is handed.
 """
 
 from __future__ import annotations
@@ -15,20 +16,28 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 # torch's own class, imported before anything could replace the name (`patch_torch_ddp`).
 from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 
 from ..engine.reducer import Phase, Reducer
+from ..engine.timeline import EventKind
+from ..observability.stats import Stats
 
-if TYPE_CHECKING:
-    from .ddp import DistributedDataParallel
-
-__all__ = ["ACTIVE_FORWARDS", "TorchDDP", "TorchNamedReducer", "logging_data", "refuse_torch_internals"]
+__all__ = [
+    "ACTIVE_FORWARDS",
+    "LoggedWrapper",
+    "TorchDDP",
+    "TorchNamedReducer",
+    "graph_was_static",
+    "logging_data",
+    "refuse_torch_internals",
+]
 
 # torch's methods that need nothing of its constructor's state; inherited as they are.
 _INHERITED = frozenset({
@@ -79,17 +88,19 @@ class TorchNamedReducer(Reducer):
     Lightning's manual optimisation and Accelerate's `trigger_sync_in_backward` call
     `prepare_for_backward(outputs)` themselves after a forward that did not prepare: the
     forwards counted since the last synchronisation (the accumulation check) come from the
-    wrapper then.
+    wrapper then, through `take_micro_steps`, which it sets.
     """
 
-    wrapper: weakref.ref[DistributedDataParallel] | None = None
+    # The wrapper's "forwards since the last synchronisation, and reset", held weakly: the
+    # wrapper holds this reducer, and a dead wrapper's count is taken as one forward.
+    take_micro_steps: weakref.WeakMethod[Callable[[], int]] | None = None
 
     def prepare_for_backward(
         self, outputs: object = None, divisor: int | None = None, micro_steps: int | None = None
     ) -> None:
         if micro_steps is None:  # torch's form, from a framework: reducer.prepare_for_backward(outputs)
-            owner = self.wrapper() if self.wrapper is not None else None
-            micro_steps = owner._take_micro_steps() if owner is not None else 1
+            take = self.take_micro_steps() if self.take_micro_steps is not None else None
+            micro_steps = take() if take is not None else 1
         super().prepare_for_backward(outputs, divisor, micro_steps)
 
     def _rebuild_buckets(self) -> bool:
@@ -104,9 +115,7 @@ class TorchNamedReducer(Reducer):
         """torch: the static graph's first iteration reduces everything at its end. gradsync
         does that itself when that backward ends; called again it has nothing left to do,
         unless backward is still running (then it finishes the iteration now, as torch's)."""
-        learning = self._static is not None and self._static.learning
-        if learning and self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
-            self._end_of_backward()
+        self.finish_learning_iteration()
 
     def _set_static_graph(self) -> None:
         self.set_static_graph()
@@ -129,13 +138,13 @@ class ActiveForwards:
         self._lock = threading.Lock()
 
     @torch.compiler.disable
-    def enter(self, ddp: DistributedDataParallel) -> None:
+    def enter(self, ddp: nn.Module) -> None:
         with self._lock:
             self._inside.append(ddp)
             TorchDDP._active_ddp_module = ddp  # type: ignore[assignment]
 
     @torch.compiler.disable
-    def leave(self, ddp: DistributedDataParallel) -> None:
+    def leave(self, ddp: nn.Module) -> None:
         with self._lock:
             last = len(self._inside) - 1 - self._inside[::-1].index(ddp)
             del self._inside[last]
@@ -145,10 +154,48 @@ class ActiveForwards:
 ACTIVE_FORWARDS = ActiveForwards()
 
 
-def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
-    """torch's `_get_ddp_logging_data()` keys (those that mean something here), and gradsync's."""
+class LoggedWrapper(Protocol):
+    """What `logging_data` reads of the wrapper: torch's public names, and `stats()`."""
+
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def process_group(self) -> dist.ProcessGroup: ...
+
+    @property
+    def reducer(self) -> Reducer | None: ...
+
+    @property
+    def device_ids(self) -> list[torch.device] | None: ...
+
+    @property
+    def output_device(self) -> torch.device | None: ...
+
+    @property
+    def bucket_bytes_cap(self) -> int: ...
+
+    @property
+    def find_unused_parameters(self) -> bool: ...
+
+    @property
+    def gradient_as_bucket_view(self) -> bool: ...
+
+    @property
+    def forward_sync_buffers(self) -> bool: ...
+
+    @property
+    def static_graph(self) -> bool: ...
+
+    def stats(self) -> Stats: ...
+
+
+def logging_data(
+    ddp: LoggedWrapper, params: list[nn.Parameter], join_enabled: bool, searches_unused: bool
+) -> dict[str, Any]:
+    """torch's `_get_ddp_logging_data()` keys (those that mean something here), and gradsync's:
+    of `ddp` synchronising `params`, inside join() or not, searching for unused ones or not."""
     reducer, group = ddp.reducer, ddp.process_group
-    params = [p for _, p in ddp._named_params]
     layout = reducer.bucket_indices if reducer is not None else []
     sizes = [sum(params[i].numel() * params[i].element_size() for i in b) for b in layout]
     data: dict[str, Any] = {
@@ -169,22 +216,39 @@ def logging_data(ddp: DistributedDataParallel) -> dict[str, Any]:
         "bucket_sizes": ", ".join(str(s) for s in sizes),
         "has_rebuilt_buckets": int(bool(reducer is not None and reducer.rebuilt and reducer.iteration)),
         "iteration": reducer.iteration if reducer is not None else 0,
-        "join_uneven_inputs": int(ddp._join_config.enable),
+        "join_uneven_inputs": int(join_enabled),
         "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
         "gradsync": 1,
     }
-    if ddp.static_graph:  # torch's keys that appear only when they are set
+    data.update(_keys_when_set(ddp, searches_unused))
+    return data
+
+
+def _keys_when_set(ddp: LoggedWrapper, searches_unused: bool) -> dict[str, Any]:
+    """torch's keys that appear only when they are set, and the measured times."""
+    data: dict[str, Any] = {}
+    reducer = ddp.reducer
+    if ddp.static_graph:
         data["static_graph"] = 1
     if reducer is not None and reducer.comm_hook is not None:
         data["comm_hook"] = _hook_name(reducer.comm_hook[1])
-    if ddp._searches_unused():  # as torch: only where the graph is searched each iteration
-        data["can_set_static_graph"] = int(ddp._graph_was_static())
+    if searches_unused:  # as torch: only where the graph is searched each iteration
+        data["can_set_static_graph"] = int(graph_was_static(reducer))
     if reducer is not None and reducer.history:
         data.update(_timing_figures(ddp))
     return data
 
 
-def _timing_figures(ddp: DistributedDataParallel) -> dict[str, Any]:
+def graph_was_static(reducer: Reducer | None) -> bool:
+    """As torch's `can_set_static_graph`: unused-parameter search is on (not a static
+    graph) and every recent iteration left the same parameters unused."""
+    if reducer is None or not reducer.history:
+        return False
+    unused = [frozenset(t.times(EventKind.UNUSED)) for t in reducer.history]
+    return len(set(unused)) == 1
+
+
+def _timing_figures(ddp: LoggedWrapper) -> dict[str, Any]:
     """torch's average times (nanoseconds) where gradsync measures the same, and its own."""
     stats = ddp.stats()
     ns = {f: int(stats.median(f) * 1e6) for f in ("backward_ms", "comm_ms", "exposed_comm_ms")}

@@ -55,12 +55,16 @@ moment between backward and the step, so no clipping and no `GradScaler`.
 It is a `Joinable`, as torch's class, for uneven inputs: `Join([model, optimizer])` (under
 ZeRO-2 `model.join()` brings it in) keeps a rank that has run out of data stepping its share
 after each synchronised iteration of the others (`join_hook`).
+
+The class keeps the lifecycle (construction, step, join); its collaborators hold the rest:
+`zero_setup` (the constructor's checks, finding the wrapper), `zero_partition` (ZeRO-1's
+owners, bucket views and broadcasts), `zero_shards` (ZeRO-2's pieces, gathers and clipping),
+`zero_readiness` (whether every rank is ready to step), `zero_state` (state dicts) and
+`zero_hooks` (the step inside backward, the `Join` hook).
 """
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from datetime import timedelta
@@ -71,20 +75,28 @@ import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.optim import Optimizer
 
-from ..engine.bucket import view_like
-from ..engine.collectives import (
-    DEFAULT_TIMEOUT,
-    Broadcasts,
-    GatheringInts,
-    all_gather_objects,
-    finish_all_gather_ints,
-    start_all_gather_ints,
-)
+from ..engine.collectives import DEFAULT_TIMEOUT, GatheringInts
 from ..engine.device import host_runs_collectives
 from ..engine.reducer import Reducer
-from .zero_shards import Gathers, Piece, check_dense, clip_sharded, flat, pieces_of, set_piece_grads
+from . import zero_state
+from .zero_hooks import StepInBackward, ZeroJoinHook, remove_all
+from .zero_partition import Partition, flat_views
+from .zero_readiness import BackwardSeen, check_own_backward, finish_agreement, start_agreement
+from .zero_setup import (
+    check_optimizer_class,
+    check_overlap_target,
+    check_shardable,
+    check_unique,
+    full_defaults,
+    reducer_of,
+    resolve_group,
+    sharding_wrapper,
+)
+from .zero_shards import Gathers, Piece, clip_sharded, group_pieces, pieces_of, set_piece_grads
 
 __all__ = ["ZeroRedundancyOptimizer", "hook_with_zero_step", "hook_with_zero_step_interleaved"]
+
+_flat_views = flat_views  # its old name here, which tests import
 
 
 class ZeroRedundancyOptimizer(Optimizer, Joinable):
@@ -109,111 +121,102 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         buckets_in_flight: int | None = 2,
         **defaults: Any,
     ) -> None:
-        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-            raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-        self._ready = False
-        group = process_group if process_group is not None else dist.group.WORLD
-        if group is None:
-            raise RuntimeError("ZeroRedundancyOptimizer: torch.distributed is not initialised; "
-                               "call init_process_group first or pass process_group")
-        self.process_group: dist.ProcessGroup = group
-        self.world_size, self.rank = self.process_group.size(), self.process_group.rank()
-        # ZeRO-1's per-step agreement is read on the host: on a device group (NCCL) a sync every
-        # step, which stops the host running ahead. There each rank checks what it knows itself,
-        # as torch's class (which checks nothing), and a rank that differs leaves the others to
-        # the process group's timeout.
-        self._agree_each_step = host_runs_collectives(group)
-        self.optimizer_class, self.timeout = optimizer_class, timeout
-        self.parameters_as_bucket_view = parameters_as_bucket_view  # ZeRO-1: `_view_partition`
-        self._flats: list[tuple[int, torch.Tensor]] = []  # (owner, a flat buffer its parameters view)
-        self._viewed: set[int] = set()  # ids of the parameters that view one
-        self._optim_defaults = defaults
-        # The class's whole defaults (Adam's betas, eps, ...), so that our groups, the state
-        # dicts' and an LR scheduler's view hold every hyperparameter, as the plain optimizer's do.
-        full = optimizer_class([torch.zeros(1, requires_grad=True)], **defaults).defaults
-        super().__init__(params, full)
-        params_all = [p for g in self.param_groups for p in g["params"]]
-        if len({id(p) for p in params_all}) != len(params_all):
-            raise ValueError("ZeroRedundancyOptimizer: a parameter appears twice in the parameter groups")
-        self.overlap_with_ddp = overlap_with_ddp
-        if overlap_with_ddp and _reducer_of(params_all) is None:
-            raise ValueError(
-                "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside the backward of the "
-                "gradsync.DistributedDataParallel whose parameters it holds: its trainable parameters must "
-                "all be one live gradsync wrapper's (wrap the model with gradsync.DistributedDataParallel "
-                "first; over torch's DDP use torch's class and its ddp_zero_hook), or leave overlap_with_ddp out"
-            )
-        self._backward_seen = False
-        # Each hook holds the optimizer weakly: a parameter's hooks live on its C++ side, out of
-        # the garbage collector's sight, so a strong reference there would keep the optimizer,
-        # its wrapper's reducer and the process group alive for as long as the parameters.
-        self._saw_backward = _SawBackward(weakref.ref(self))
-        self._hooks: list[Any] = []
-        weakref.finalize(self, _remove_all, self._hooks)
-        self._partition: list[list[list[torch.Tensor]]] = []  # [group][rank] -> parameters (ZeRO-1)
-        self._loads = [0] * self.world_size
-        self.overlap_param_gather = overlap_param_gather
-        self.reducer: Reducer | None = None  # the wrapper's, when the gradients are sharded
-        self._gathers: Gathers | None = None
-        wrapper = _wrapper_of(params_all) if shard_gradients is not False else None
-        if wrapper is not None:
-            self._shard_over(wrapper, params_all, buckets_in_flight)
-        elif shard_gradients:
-            raise ValueError("ZeroRedundancyOptimizer(shard_gradients=True): the parameters must belong to a "
-                             "gradsync.DistributedDataParallel (wrap the model first, then build the optimizer)")
-        else:
-            for g in self.param_groups:
-                self._partition.append(self._split(g["params"]))
-                self._view_partition(self._partition[-1])
-            # ZeRO-1 notes each backward with a hook per parameter; ZeRO-2 counts the
-            # reducer's synchronised backwards instead, and needs none on its hot path.
-            self._hooks += [p.register_post_accumulate_grad_hook(self._saw_backward) for p in params_all if p.requires_grad]
-        # The reducer whose count of synchronised backwards a joined rank steps by (`_joined_step`).
-        self._synced_by = self.reducer or _reducer_of(params_all)
-        self._syncs = self._synced_by.reductions if self._synced_by is not None else 0
+        check_optimizer_class(optimizer_class)
+        self._ready = False  # until the end: `add_param_group` leaves the first groups to us
+        self._join_group(resolve_group(process_group))
+        self.optimizer_class, self.timeout, self._optim_defaults = optimizer_class, timeout, defaults
+        self.parameters_as_bucket_view = parameters_as_bucket_view  # ZeRO-1: `Partition`
+        self.overlap_with_ddp, self.overlap_param_gather = overlap_with_ddp, overlap_param_gather
+        super().__init__(params, full_defaults(optimizer_class, defaults))
+        params_all = self._params()
+        check_unique(params_all)
         if overlap_with_ddp:
-            assert self._synced_by is not None
-            self._hooks.append(self._synced_by.register_finish_hook(_StepInBackward(weakref.ref(self))))
+            check_overlap_target(params_all)
+        self._start_noting_backwards()
+        self._place(params_all, shard_gradients, buckets_in_flight)
+        self._follow_synchronised_backwards(params_all)
         self.optim: Optimizer | None = None
         self._build_local_optimizer()
         Joinable.__init__(self)
         self._consolidated: dict[str, Any] | None = None
         self._ready = True
 
-    # ------------------------------------------------------------------ sharded gradients
+    # ------------------------------------------------------------------ construction steps
+
+    def _join_group(self, group: dist.ProcessGroup) -> None:
+        self.process_group: dist.ProcessGroup = group
+        self.world_size, self.rank = group.size(), group.rank()
+        # ZeRO-1's per-step agreement is read on the host: on a device group (NCCL) a sync every
+        # step, which stops the host running ahead. There each rank checks what it knows itself,
+        # as torch's class (which checks nothing), and a rank that differs leaves the others to
+        # the process group's timeout.
+        self._agree_each_step = host_runs_collectives(group)
+
+    def _start_noting_backwards(self) -> None:
+        self._seen = BackwardSeen()  # what the parameters' hooks hold: not the optimizer
+        self._hooks: list[Any] = []
+        weakref.finalize(self, remove_all, self._hooks)
+
+    def _note_backwards_of(self, params: list[torch.Tensor]) -> None:
+        self._hooks += [p.register_post_accumulate_grad_hook(self._seen) for p in params if p.requires_grad]
+
+    def _place(self, params_all: list[torch.Tensor], shard_gradients: bool | None, in_flight: int | None) -> None:
+        """Who steps what: this rank's slices of the wrapper's buckets (ZeRO-2), or the
+        partition of the parameters (ZeRO-1)."""
+        self._partition = Partition(self.world_size, self.parameters_as_bucket_view)  # empty under ZeRO-2
+        self.reducer: Reducer | None = None  # the wrapper's, when the gradients are sharded
+        self._gathers: Gathers | None = None
+        self._pieces: list[Piece] = []  # ZeRO-2: this rank's pieces, in bucket order
+        self._had_grad: set[int] = set()  # reducer indices with a gradient since zero_grad(set_to_none=True)
+        wrapper = sharding_wrapper(params_all, shard_gradients)
+        if wrapper is not None:
+            self._shard_over(wrapper, params_all, in_flight)
+            return
+        for g in self.param_groups:
+            self._partition.add_group(g["params"])
+        # ZeRO-1 notes each backward with a hook per parameter; ZeRO-2 counts the
+        # reducer's synchronised backwards instead, and needs none on its hot path.
+        self._note_backwards_of(params_all)
 
     def _shard_over(self, wrapper: Any, params_all: list[torch.Tensor], in_flight: int | None) -> None:
         """ZeRO-2: this optimizer must hold exactly the wrapper's trainable parameters."""
+        check_shardable(wrapper, params_all)
         reducer: Reducer = wrapper.reducer
-        ours = {id(p) for p in params_all if p.requires_grad}
-        theirs = {id(p): n for n, p in zip(reducer.names, reducer.params)}
-        missing = [n for i, n in theirs.items() if i not in ours]
-        extra = [i for i in ours if i not in theirs]
-        if missing or extra:
-            named = {id(p): n for n, p in wrapper.module.named_parameters()}
-            raise ValueError(
-                "ZeroRedundancyOptimizer: to shard the gradients it must hold every trainable parameter of "
-                f"its gradsync.DistributedDataParallel and no others; missing: {missing[:8] or 'none'}"
-                f"{' ...' if len(missing) > 8 else ''}; not synchronised by that wrapper: "
-                f"{[named.get(i, '?') for i in extra][:8] or 'none'}. Give all of the wrapper's parameters to "
-                "one sharded optimizer (parameter groups may differ), or pass shard_gradients=False (ZeRO-1)."
-            )
-        if reducer.shard_owner is not None and reducer.shard_owner() is not None:
-            raise ValueError("ZeroRedundancyOptimizer: another sharded optimizer already holds this wrapper's "
-                             "gradients; build one per wrapper")
-        check_dense(reducer)
         self.reducer = wrapper.shard_gradients(in_flight)
         reducer.shard_owner = weakref.ref(self)
-        position = {id(p): i for i, p in enumerate(params_all)}
-        self._pieces = pieces_of(reducer, position)
-        self._had_grad: set[int] = set()  # reducer indices with a gradient since zero_grad(set_to_none=True)
+        self._pieces = pieces_of(reducer, {id(p): i for i, p in enumerate(params_all)})
         self._gathers = Gathers(reducer, self._pieces, wrapper.module, self.process_group, self.timeout)
         weakref.finalize(self, self._gathers.remove_hooks)
+
+    def _follow_synchronised_backwards(self, params_all: list[torch.Tensor]) -> None:
+        """The reducer whose count of synchronised backwards a joined rank steps by
+        (`_joined_step`), and in whose backward `overlap_with_ddp` steps."""
+        self._synced_by = self.reducer or reducer_of(params_all)
+        self._syncs = self._synced_by.reductions if self._synced_by is not None else 0
+        if self.overlap_with_ddp:
+            assert self._synced_by is not None
+            step = StepInBackward(weakref.WeakMethod(self._step_now))
+            self._hooks.append(self._synced_by.register_finish_hook(step))
+
+    def _build_local_optimizer(self) -> None:
+        groups = self._local_groups()
+        owned = [g for g in groups if g["params"]]
+        # A rank that owns nothing (more ranks than parameters) steps nothing.
+        self.optim = self.optimizer_class(groups, **self._optim_defaults) if owned else None
+
+    # ------------------------------------------------------------------ sharded gradients
 
     @property
     def shards_gradients(self) -> bool:
         """Whether gradients are sharded too (ZeRO-2), not only the optimizer state."""
         return self.reducer is not None
+
+    @property
+    def synced_by(self) -> Reducer | None:
+        """The reducer of the gradsync wrapper whose parameters this optimizer holds (its
+        synchronised backwards are what a joined rank and `overlap_with_ddp` step after);
+        None when they are not one gradsync wrapper's."""
+        return self._synced_by
 
     def wait_parameters(self) -> None:
         """Finish the all-gathers of the last step now (forward and state_dict do it by
@@ -233,8 +236,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
                 "overlap_with_ddp to clip by the global norm"
             )
         if self.reducer is None:
-            params = [p for g in self.param_groups for p in g["params"]]
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)
+            return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type, error_if_nonfinite)
         self._take_shards()
         return clip_sharded(self._pieces, max_norm, norm_type, self.process_group, self.timeout, error_if_nonfinite)
 
@@ -252,38 +254,20 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     # ------------------------------------------------------------------ partition
 
-    def _split(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-        """torch's greedy partition of one group, continuing from the groups before it."""
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.world_size)]
-        for p in sorted(params, key=lambda t: t.numel(), reverse=True):
-            rank = self._loads.index(min(self._loads))
-            per_rank[rank].append(p)
-            self._loads[rank] += p.numel()
-        return per_rank
+    def _params(self) -> list[torch.Tensor]:
+        """Every parameter, in order over all groups (the state dicts' indices)."""
+        return [p for g in self.param_groups for p in g["params"]]
 
-    def _view_partition(self, part: list[list[torch.Tensor]]) -> None:
-        """`parameters_as_bucket_view` (ZeRO-1, as torch's keyword): each owner's contiguous
-        parameters of one group become views of a flat buffer per dtype and device, which its
-        broadcast sends and receives where it lies, with no copy in or out. Parameters whose
-        memory has another layout travel as before (`Broadcasts`). As under torch's class,
-        replacing a parameter's `.data` afterwards (`model.to(...)`) cuts it off its buffer."""
-        if not self.parameters_as_bucket_view:
-            return
-        for rank, params in enumerate(part):
-            for buffer, members in _flat_views(params):
-                self._flats.append((rank, buffer))
-                self._viewed.update(id(p) for p in members)
+    @property
+    def _flats(self) -> list[tuple[int, torch.Tensor]]:
+        """ZeRO-1's flat buffers, as (owner, buffer) (`parameters_as_bucket_view`)."""
+        return self._partition.flats
 
     def _pieces_by_group(self) -> list[list[Piece]]:
         """This rank's pieces, per parameter group (the local optimizer's groups), in order."""
         if self.reducer is not None:
-            by_group: list[list[Piece]] = [[] for _ in self.param_groups]
-            ends = list(itertools.accumulate(len(g["params"]) for g in self.param_groups))
-            for piece in self._pieces:
-                by_group[bisect.bisect_right(ends, piece.index)].append(piece)
-            return by_group
-        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
-        return [[Piece(index[id(p)], 0, p.numel(), True, p, None) for p in part[self.rank]] for part in self._partition]
+            return group_pieces(self._pieces, [len(g["params"]) for g in self.param_groups])
+        return self._partition.pieces(self.rank, {id(p): i for i, p in enumerate(self._params())})
 
     def _local_groups(self) -> list[dict[str, Any]]:
         return [{**{k: v for k, v in g.items() if k != "params"}, "params": [p.tensor for p in mine]}
@@ -293,19 +277,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """What the local optimizer steps, in its own order (the order of its state)."""
         return [p for group in self._pieces_by_group() for p in group]
 
-    def _build_local_optimizer(self) -> None:
-        groups = self._local_groups()
-        owned = [g for g in groups if g["params"]]
-        # A rank that owns nothing (more ranks than parameters) steps nothing.
-        self.optim = self.optimizer_class(groups, **self._optim_defaults) if owned else None
-
     def owner(self, param: torch.Tensor) -> int:
         """The rank that steps `param` and holds its optimizer state."""
-        for part in self._partition:
-            for rank, params in enumerate(part):
-                if any(p is param for p in params):
-                    return rank
-        raise KeyError("ZeroRedundancyOptimizer.owner: not one of this optimizer's parameters")
+        return self._partition.owner(param)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group on every rank (the next `step()` checks that all did): it is partitioned
@@ -320,9 +294,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if not getattr(self, "_ready", False):
             return  # the constructor partitions the initial groups itself
         group = self.param_groups[-1]
-        self._hooks += [p.register_post_accumulate_grad_hook(self._saw_backward) for p in group["params"] if p.requires_grad]
-        self._partition.append(self._split(group["params"]))
-        self._view_partition(self._partition[-1])
+        self._note_backwards_of(group["params"])
+        self._partition.add_group(group["params"])
         mine = self._local_groups()[-1]
         if self.optim is None:
             self._build_local_optimizer()
@@ -357,7 +330,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self._gathers is not None:
             self._gathers.finish_all()  # a step without a forward since the last one
         agreement = self._start_agreement()
-        ready, self._backward_seen = self._backward_seen, False
+        ready = self._seen.take()
         if self._synced_by is not None:
             self._syncs = self._synced_by.reductions
         if self.reducer is not None:
@@ -373,8 +346,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.optim is not None and ready:
             self.optim.step()
         if agreement is not None:  # in flight during the local step, which it refuses before any broadcast
-            self._finish_agreement(agreement)
-        self._broadcast_parameters()
+            finish_agreement(agreement, self.process_group, self.timeout)
+        self._partition.broadcast(self.process_group, self.timeout)
 
     def _step_and_gather(self, gathers: Gathers) -> None:
         """Step the slices, then gather them back in the order the next forward needs them.
@@ -389,65 +362,14 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             gathers.start(gathers.order, window=2)
             gathers.finish_all()
 
-    def _broadcast_parameters(self) -> None:
-        """Every owner's broadcasts in flight at once (as torch's class), then waited for."""
-        broadcasts = Broadcasts(self.process_group, self.timeout)
-        for rank, buffer in self._flats:
-            broadcasts.start_in_place(buffer, rank, f"broadcast of the parameters rank {rank} stepped")
-        for rank in range(self.world_size):
-            owned = [p for part in self._partition for p in part[rank] if id(p) not in self._viewed]
-            if owned:
-                broadcasts.start(owned, rank, f"broadcast of the parameters rank {rank} stepped")
-        broadcasts.finish()
-
     def _start_agreement(self) -> GatheringInts | None:
-        """ZeRO-1 on a host group: start agreeing that every rank is ready for this step (the
-        same parameter groups, a backward since its last step), finished after this rank's
-        local step (`_finish_agreement`): the round trip hides behind the step. Otherwise each
-        rank checks itself (`_check_own_backward`) and None."""
+        """ZeRO-1 on a host group: start agreeing that every rank is ready for this step,
+        finished after this rank's local step (`zero_readiness`). Otherwise each rank checks
+        itself, and None."""
         if self.reducer is not None or not self._agree_each_step:
-            self._check_own_backward()
+            check_own_backward(self.reducer, self._syncs, self._seen.seen, self.process_group)
             return None
-        mine = [len(self.param_groups), sum(p.numel() for g in self.param_groups for p in g["params"]),
-                int(self._backward_seen)]
-        return start_all_gather_ints(self.process_group, mine)
-
-    def _finish_agreement(self, agreement: GatheringInts) -> None:
-        """Refuse, on every rank alike, a step some rank was not ready for, before any parameter
-        is sent: the ranks that were have stepped their own share (a rank with no backward has
-        not), so the error leaves the ranks' parameters apart; it is an error to stop on."""
-        every = finish_all_gather_ints(agreement, self.process_group, self.timeout)
-        if len({tuple(v[:2]) for v in every}) > 1:
-            seen = ", ".join(f"rank {r}: {v[0]} groups, {v[1]} elements" for r, v in enumerate(every))
-            raise ValueError(
-                f"ZeroRedundancyOptimizer.step: the ranks hold different parameter groups ({seen}). "
-                "Call add_param_group with the same group on every rank."
-            )
-        idle = [r for r, v in enumerate(every) if not v[2]]
-        if idle:
-            raise RuntimeError(
-                f"ZeroRedundancyOptimizer.step: no backward since the last step on rank(s) {idle} "
-                f"(of {self.world_size}): run loss.backward() before every step(), on every rank."
-            )
-
-    def _check_own_backward(self) -> None:
-        """Without the agreement collective (sharded gradients: a per-step round trip, 2-3 % of
-        a small model's step on loopback, and the groups cannot change since `add_param_group`
-        is refused; a device group: no host read per step) a rank without a backward knows it.
-        It raises here; a rank that did run one is then waiting in a collective this rank never
-        joins, and raises within its timeout (the process group's, on a device group)."""
-        if self.reducer is not None:
-            if self.reducer.reductions > self._syncs:
-                return
-            what = ("synchronised backward", "the gradients are sharded only by a backward outside no_sync(); ")
-        elif self._backward_seen:
-            return
-        else:
-            what = ("backward", "")
-        raise RuntimeError(
-            f"ZeroRedundancyOptimizer.step: no {what[0]} since the last step on rank {self.rank} "
-            f"(of {self.world_size}): {what[1]}run one before every step(), on every rank."
-        )
+        return start_agreement(self.process_group, self.param_groups, self._seen.seen)
 
     # ------------------------------------------------------------------ uneven inputs
 
@@ -459,7 +381,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         stepped with that iteration's averages (the wrapper's joined rank takes the sums in:
         `engine.shadow`); torch's DDP leaves a joined rank its last gradients, which torch's
         class then steps with again."""
-        return _ZeroJoinHook(self)
+        return ZeroJoinHook(self._joined_step)
 
     @property
     def join_device(self) -> torch.device:
@@ -475,7 +397,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         no_sync they accumulate), on every iteration otherwise (torch's class)."""
         if self._synced_by is not None and self._synced_by.reductions == self._syncs:
             return
-        self._backward_seen = True  # its backward was the shadow iteration
+        self._seen()  # its backward was the shadow iteration
         self._step_now()
         if self._gathers is not None:
             self._gathers.finish_all()  # no forward of its own will
@@ -486,28 +408,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         """Gather every rank's optimizer state onto rank `to` (call on every rank)."""
         if not 0 <= to < self.world_size:
             raise ValueError(f"consolidate_state_dict(to={to}): expected a rank in 0..{self.world_size - 1}")
-        local = self.optim.state_dict()["state"] if self.optim is not None else {}
-        # Local state keys run over the local pieces in order (`_local_pieces`).
-        mine = [(p.index, p.start, p.numel, p.whole, local[i]) for i, p in enumerate(self._local_pieces()) if i in local]
-        gathered = all_gather_objects(self.process_group, mine, self.timeout)
-        if self.rank != to:
-            self._consolidated = None
-            return
-        params = [p for g in self.param_groups for p in g["params"]]
-        by_param: dict[int, list[tuple[int, int, bool, dict[str, Any]]]] = {}
-        for part in gathered:
-            for index, start, numel, whole, state in part:  # type: ignore[attr-defined]
-                by_param.setdefault(index, []).append((start, numel, whole, state))
-        merged = {i: _join_pieces(params[i], sorted(pieces, key=lambda t: t[0])) for i, pieces in by_param.items()}
-        self._consolidated = {"state": dict(sorted(merged.items())), "param_groups": self._global_groups()}
-
-    def _global_groups(self) -> list[dict[str, Any]]:
-        start, groups = 0, []
-        for g in self.param_groups:
-            groups.append({**{k: v for k, v in g.items() if k != "params"},
-                           "params": list(range(start, start + len(g["params"])))})
-            start += len(g["params"])
-        return groups
+        self._consolidated = zero_state.consolidate(self.optim, self._local_pieces(), self.param_groups,
+                                                    self.process_group, self.timeout, to)
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state, on the rank `consolidate_state_dict(to=...)` named."""
@@ -520,24 +422,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a whole (consolidated or unsharded) state dict; each rank keeps its share."""
-        groups, total = state_dict.get("param_groups"), sum(len(g["params"]) for g in self.param_groups)
-        if not isinstance(groups, list) or [len(g["params"]) for g in groups] != [len(g["params"]) for g in self.param_groups]:
-            sizes = [len(g["params"]) for g in groups] if isinstance(groups, list) else groups
-            raise ValueError(
-                f"ZeroRedundancyOptimizer.load_state_dict: the dict's parameter groups hold {sizes} parameters, "
-                f"this optimizer's {[len(g['params']) for g in self.param_groups]} ({total} in all)"
-            )
-        for ours, theirs in zip(self.param_groups, groups):
-            ours.update({k: v for k, v in theirs.items() if k != "params"})
-        state = {int(k): v for k, v in state_dict.get("state", {}).items()}
-        params = [p for g in self.param_groups for p in g["params"]]
-        if self.optim is not None:
-            local = self.optim.state_dict()
-            local["state"] = {i: _cut_piece(params[p.index], p, state[p.index])
-                              for i, p in enumerate(self._local_pieces()) if p.index in state}
-            local["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"}, "params": lg["params"]}
-                                     for g, lg in zip(self.param_groups, local["param_groups"])]
-            self.optim.load_state_dict(local)
+        zero_state.load(self.optim, self._local_pieces(), self.param_groups, state_dict)
         self._consolidated = None
 
     def __repr__(self) -> str:
@@ -546,9 +431,8 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             numel = sum(p.numel for p in self._pieces)
             return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
                     f"{self.world_size}, gradients sharded: steps {numel} elements of {total} parameters)")
-        owned = sum(len(part[self.rank]) for part in self._partition)
         return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
-                f"{self.world_size}, owns {owned} of {total} parameters)")
+                f"{self.world_size}, owns {self._partition.owned(self.rank)} of {total} parameters)")
 
 
 def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer,
@@ -564,7 +448,7 @@ def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancy
             f"overlap_with_ddp=True, got {type(zero).__name__}"
             f"{'' if not isinstance(zero, ZeroRedundancyOptimizer) else ' with overlap_with_ddp=False'}"
         )
-    if zero._synced_by is not getattr(ddp, "reducer", None):
+    if zero.synced_by is not getattr(ddp, "reducer", None):
         raise ValueError(
             "hook_with_zero_step: the optimizer's parameters are not this wrapper's; pass the "
             "gradsync.DistributedDataParallel that holds them"
@@ -576,132 +460,3 @@ def hook_with_zero_step_interleaved(hook: Callable[..., Any], ddp: Any, zero: Ze
                                     shard_buckets: bool = False) -> Callable[..., Any]:
     """torch's interleaved variant; gradsync's step is the same either way (`hook_with_zero_step`)."""
     return hook_with_zero_step(hook, ddp, zero, shard_buckets)
-
-
-class _StepInBackward:
-    """The reducer's finish hook under `overlap_with_ddp`: the step, inside backward, as soon as
-    the synchronised iteration is finished (torch's hook steps there too, in the last bucket's
-    hook). The wrapper's mixed-precision restore has run by then: it is queued first."""
-
-    def __init__(self, owner: weakref.ref[ZeroRedundancyOptimizer]) -> None:
-        self.owner = owner
-
-    def __call__(self) -> None:
-        owner = self.owner()
-        if owner is not None:
-            owner._step_now()
-
-
-class _SawBackward:
-    """A parameter's post-accumulate-grad hook: notes that backward ran since the last step."""
-
-    def __init__(self, owner: weakref.ref[ZeroRedundancyOptimizer]) -> None:
-        self.owner = owner
-
-    def __call__(self, _param: torch.Tensor) -> None:
-        owner = self.owner()
-        if owner is not None:
-            owner._backward_seen = True
-
-
-def _remove_all(handles: list[Any]) -> None:
-    for handle in handles:
-        handle.remove()
-
-
-class _ZeroJoinHook(JoinHook):
-    def __init__(self, zero: ZeroRedundancyOptimizer) -> None:
-        self.zero = zero
-
-    def main_hook(self) -> None:
-        self.zero._joined_step()
-
-
-def _reducer_of(params: list[torch.Tensor]) -> Reducer | None:
-    """The reducer of the one live gradsync wrapper all these trainable parameters belong to."""
-    trainable = [p for p in params if p.requires_grad]
-    wrappers = _wrappers(trainable)
-    if len(wrappers) != 1 or any(getattr(p, "_gradsync_wrapper", _none)() is None for p in trainable):
-        return None
-    return next(iter(wrappers.values())).reducer
-
-
-def _wrapper_of(params: list[torch.Tensor]) -> Any:
-    """The live gradsync wrapper these parameters belong to, if any (one is required)."""
-    found = _wrappers(params)
-    if len(found) > 1:
-        raise ValueError(
-            f"ZeroRedundancyOptimizer: the parameters belong to {len(found)} gradsync.DistributedDataParallel "
-            "wrappers; to shard gradients give each wrapper's parameters to an optimizer of their own, "
-            "or pass shard_gradients=False"
-        )
-    return next(iter(found.values()), None)
-
-
-def _wrappers(params: list[torch.Tensor]) -> dict[int, Any]:
-    return {id(w): w for p in params if (w := getattr(p, "_gradsync_wrapper", _none)()) is not None}
-
-
-def _none() -> None:
-    return None
-
-
-def _flat_views(params: list[torch.Tensor]) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
-    """One flat buffer per dtype and device holding these contiguous parameters' values, each
-    parameter's `.data` now a view of it with the parameter's own strides; with the parameters
-    that view each."""
-    kinds: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for p in params:
-        if p.is_contiguous():
-            kinds.setdefault((p.dtype, p.device), []).append(p)
-    buffers = []
-    with torch.no_grad():
-        for (dtype, device), members in kinds.items():
-            buffer = torch.empty(sum(p.numel() for p in members), dtype=dtype, device=device)
-            starts = itertools.accumulate((p.numel() for p in members), initial=0)
-            for start, p in zip(starts, members):
-                # With its own strides (`view_like`, not `view_as`): a weight contiguous in two
-                # memory formats at once (a channels-last conv weight with one input channel)
-                # keeps the one it had, and so do the kernels its convolution picks, and its bits.
-                view = view_like(buffer, start, p)
-                view.copy_(p.detach())
-                p.data = view
-            buffers.append((buffer, members))
-    return buffers
-
-
-def _per_element(value: Any, numel: int) -> bool:
-    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == numel
-
-
-def _join_pieces(param: torch.Tensor, pieces: list[tuple[int, int, bool, dict[str, Any]]]) -> dict[str, Any]:
-    """One parameter's state from its pieces' (in order): per-element tensors concatenated into
-    the parameter's shape and layout, everything else (a step count) from the first piece."""
-    if len(pieces) == 1 and pieces[0][2]:
-        return pieces[0][3]
-    first = pieces[0][3]
-    joined: dict[str, Any] = {}
-    for key, value in first.items():
-        if _per_element(value, pieces[0][1]):
-            whole = torch.empty_strided(param.size(), param.stride(), dtype=value.dtype)
-            flat(whole).copy_(torch.cat([state[key] for _, _, _, state in pieces]))
-            joined[key] = whole
-        else:
-            joined[key] = value
-    return joined
-
-
-def _cut_piece(param: torch.Tensor, piece: Piece, state: dict[str, Any]) -> dict[str, Any]:
-    """A piece's share of one parameter's whole state (the inverse of `_join_pieces`)."""
-    if piece.whole:
-        return state
-    cut: dict[str, Any] = {}
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == param.shape:
-            laid = torch.empty_strided(param.size(), param.stride(), dtype=value.dtype, device=value.device)
-            laid.copy_(value)
-            cut[key] = flat(laid)[piece.start:piece.start + piece.numel].clone()
-        else:
-            cut[key] = value
-    return cut
-

@@ -19,7 +19,9 @@ first. That is why overlapping is not the default.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import weakref
 from collections.abc import Sequence
 from datetime import timedelta
@@ -33,7 +35,7 @@ from ..engine.collectives import all_reduce, wait
 from ..engine.pool import BufferPool
 from ..engine.reducer import Reducer
 
-__all__ = ["Gathers", "Piece", "clip_sharded", "flat", "pieces_of"]
+__all__ = ["Gathers", "Piece", "check_dense", "clip_sharded", "flat", "group_pieces", "pieces_of", "set_piece_grads"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +83,15 @@ def pieces_of(reducer: Reducer, position: dict[int, int]) -> list[Piece]:
     return pieces
 
 
+def group_pieces(pieces: Sequence[Piece], group_sizes: Sequence[int]) -> list[list[Piece]]:
+    """`pieces` per parameter group (given each group's number of parameters), in order."""
+    by_group: list[list[Piece]] = [[] for _ in group_sizes]
+    ends = list(itertools.accumulate(group_sizes))
+    for piece in pieces:
+        by_group[bisect.bisect_right(ends, piece.index)].append(piece)
+    return by_group
+
+
 def set_piece_grads(pieces: Sequence[Piece], used: Sequence[int] | None, had_grad: set[int]) -> None:
     """Give each piece its shard slice as `.grad`. Where its parameter was unused on every
     rank, DDP leaves `.grad` untouched: None if it had none (the optimizer skips it), else the
@@ -123,6 +134,7 @@ class Gathers:
 
     @property
     def pending(self) -> bool:
+        """Whether some bucket's gather is still in flight (the forward hooks ask)."""
         return bool(self._pending)
 
     @property
@@ -211,7 +223,7 @@ def _attach(gathers: Gathers, module: nn.Module, reducer: Reducer, bucket_of: di
     index = {id(p): j for j, p in enumerate(reducer.params)}
     handles = []
     for sub in module.modules():
-        buckets = sorted({bucket_of[index[id(p)]] for p in sub._parameters.values() if p is not None and id(p) in index})
+        buckets = sorted({bucket_of[index[id(p)]] for p in sub.parameters(recurse=False) if id(p) in index})
         if buckets:
             handles.append(sub.register_forward_pre_hook(_Before(me, buckets)))
     everything = _All(me)
@@ -226,7 +238,7 @@ class _Before:
 
     def __call__(self, *_: object) -> None:
         live = self.gathers()
-        if live is not None and live._pending:
+        if live is not None and live.pending:
             live.finish(self.buckets)
 
 
@@ -236,7 +248,7 @@ class _All:
 
     def __call__(self, *_: object, **__: object) -> None:
         live = self.gathers()
-        if live is not None and live._pending:
+        if live is not None and live.pending:
             live.finish_all()
 
 
