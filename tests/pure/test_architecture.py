@@ -1,18 +1,24 @@
 """The package's layers, checked from the source: each layer imports only from the layers below
-it, and no module imports itself back through others.
+it, and no module imports itself back through others (nor, inside a folder, at all, counting
+late imports). No module reads another's private attributes, no class runs past 400 lines nor
+function past 40, and docs/architecture.md names only functions that exist.
 
     engine  <  observability  <  planning  <  wrapper  <  tools
 
 (`comm_hooks` imports only torch; `testing` is the test harness; `gradsync/__init__` exports;
-`patch` is an entry point, `python -m gradsync.patch train.py`, above them all.)
+`patch` is an entry point, `python -m gradsync.patch train.py`, and `ft` the wrapper under torchft's
+Manager, both above them all.)
 """
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "gradsync"
 LAYERS = ["engine", "observability", "planning", "wrapper", "tools"]
@@ -59,7 +65,7 @@ def _layer(module: str) -> int | None:
 
 def test_every_module_lives_in_a_layer():
     loose = sorted(m for m in _modules() if _layer(m) is None)
-    assert loose == ["gradsync", "gradsync.comm_hooks", "gradsync.patch", "gradsync.testing"]
+    assert loose == ["gradsync", "gradsync.comm_hooks", "gradsync.ft", "gradsync.patch", "gradsync.testing"]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in _modules() if _layer(m) is not None))
@@ -78,15 +84,19 @@ def test_no_import_cycles():
     graph = {m: _imports(m, p, type_checking=False) for m, p in _modules().items()}
     # A package's __init__ that only holds a docstring imports nothing; edges into it are
     # the Python machinery's, not a dependency.
+    for module, found in graph.items():
+        graph[module] = {n for n in found if not (n == "gradsync" or n.count(".") == 1 and n.split(".")[1] in LAYERS)}
+    _assert_no_cycle(graph, "import cycle")
+
+
+def _assert_no_cycle(graph: dict[str, set[str]], what: str) -> None:
     state: dict[str, int] = {}
 
     def visit(node: str, path: list[str]) -> None:
         state[node] = 1
         for nxt in sorted(graph[node]):
-            if nxt == "gradsync" or nxt.count(".") == 1 and nxt.split(".")[1] in LAYERS:
-                continue
             if state.get(nxt) == 1:
-                raise AssertionError(f"import cycle: {' -> '.join(path + [node, nxt])}")
+                raise AssertionError(f"{what}: {' -> '.join(path + [node, nxt])}")
             if nxt not in state:
                 visit(nxt, path + [node])
         state[node] = 2
@@ -94,3 +104,88 @@ def test_no_import_cycles():
     for module in sorted(graph):
         if module not in state:
             visit(module, [])
+
+
+def _folder(module: str) -> str:
+    return module.rpartition(".")[0]
+
+
+def test_no_import_circle_inside_a_folder_counting_every_import():
+    # TYPE_CHECKING and function-level imports count: a circle of modules around one class's
+    # private state is a circle whoever imports late.
+    modules = _modules()
+    graph = {m: {n for n in _imports(m, p, type_checking=True) if _folder(n) == _folder(m) and n != _folder(m)}
+             for m, p in modules.items()}
+    _assert_no_cycle(graph, "import circle")
+
+
+MAX_CLASS_LINES, MAX_FUNCTION_LINES = 400, 40
+
+
+def _sized(kind: type | tuple[type, ...], limit: int) -> list[str]:
+    over = []
+    for module, path in sorted(_modules().items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, kind) and node.end_lineno - node.lineno + 1 > limit:
+                over.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    return over
+
+
+def test_no_class_to_scroll_and_no_function_over_a_screen():
+    assert _sized(ast.ClassDef, MAX_CLASS_LINES) == []
+    assert _sized((ast.FunctionDef, ast.AsyncFunctionDef), MAX_FUNCTION_LINES) == []
+
+
+def _private_names_defined(tree: ast.AST) -> set[str]:
+    """`_x` names a module defines: methods, class attributes, `self._x = ...` assignments."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, (ast.AnnAssign, ast.Assign)):
+            for target in node.targets if isinstance(node, ast.Assign) else [node.target]:
+                if isinstance(target, ast.Name):
+                    names.add(target.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_no_module_reads_another_modules_private_attributes():
+    # `obj._x` where `_x` is private state or a private method of some other gradsync module:
+    # the phases take what they need explicitly. torch's own private names (`_parameters`,
+    # `_allgather_base`, ...) are torch's protocol, not ours, and are left alone.
+    trees = {m: ast.parse(p.read_text()) for m, p in _modules().items()}
+    defined = {m: _private_names_defined(t) for m, t in trees.items()}
+    torchs = (dist.ProcessGroup, torch.nn.Module, torch.Tensor)  # a stand-in may define torch's own
+    ours = {n for n in set().union(*defined.values()) if not any(hasattr(t, n) for t in torchs)}
+    reaches = []
+    for module, tree in sorted(trees.items()):
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Attribute) or node.attr not in ours or node.attr in defined[module]:
+                continue
+            owner = ast.unparse(node.value)
+            if owner not in ("self", "cls") and not owner.startswith("super("):
+                reaches.append(f"{module}: {owner}.{node.attr}")
+    assert reaches == []
+
+
+def test_the_architecture_page_names_only_what_exists():
+    page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    named = re.findall(r"`((?:engine|observability|planning|wrapper|tools)/[\w/]+\.py)::([\w.]+)`", page)
+    assert len(named) >= 30
+    missing = [f"{path}::{name}" for path, name in named if not _defines(SRC / path, name.split("."))]
+    assert missing == []
+
+
+def _defines(path: Path, names: list[str]) -> bool:
+    if not path.exists():
+        return False
+    scope: list[ast.stmt] = ast.parse(path.read_text()).body
+    for name in names:
+        found = [n for n in scope if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                 and n.name == name]
+        if not found:
+            return False
+        scope = found[0].body if isinstance(found[0], ast.ClassDef) else []
+    return True

@@ -7,7 +7,8 @@ gradients (or lets `.grad` be the view), starts its collective, and writes the r
 Its collective is an all-reduce (every rank gets the whole sum: data-parallel training) or a
 reduce-scatter (each rank gets only its `shard` of the sum: the seam for sharded optimizers; the
 buffer is then padded to a multiple of the world size, and what a rank does with its shard is
-the optimizer's business, not `write_back`'s).
+the optimizer's business, not `write_back`'s). The shard, its collective and the memory a
+transient bucket holds only for a while are a `BucketShard` (`bucket_shard.py`) the bucket owns.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .bucket_shard import BucketShard, scaled_into
 from .pool import BufferPool
 
 __all__ = ["COLLECTIVES", "FUSED_COPY_MIN_NUMEL", "Bucket", "Sharding", "is_dense_permutation", "view_like"]
@@ -50,6 +52,17 @@ class Sharding:
     hook_dtype: torch.dtype | None = None
 
 
+def _check_arguments(collective: str, reduce_by: str, sparse: bool, tail: int, transient: bool) -> None:
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
+    if reduce_by not in REDUCE_BY:
+        raise ValueError(f"reduce_by={reduce_by!r}: expected one of {', '.join(REDUCE_BY)}")
+    if collective == "reduce_scatter" and (sparse or (tail and reduce_by != "all_reduce")):
+        raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail (unless reduced by all-reduce)")
+    if transient and collective != "reduce_scatter":
+        raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result is the buffer")
+
+
 class Bucket:
     """Flat gradient storage for a group of parameters of one dtype on one device."""
 
@@ -70,27 +83,34 @@ class Bucket:
         hooked: bool = False,
         hook_dtype: torch.dtype | None = None,
     ):
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
-        if reduce_by not in REDUCE_BY:
-            raise ValueError(f"reduce_by={reduce_by!r}: expected one of {', '.join(REDUCE_BY)}")
-        if collective == "reduce_scatter" and (sparse or (tail and reduce_by != "all_reduce")):
-            raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail (unless reduced by all-reduce)")
-        if transient and collective != "reduce_scatter":
-            raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result is the buffer")
-        self.index = index
-        self.collective = collective
+        _check_arguments(collective, reduce_by, sparse, tail, transient)
+        self.index, self.collective, self.transient = index, collective, transient
+        self._take_params(param_indices, params, sparse)
+        # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
+        # the low-precision compute dtype.
+        self._dtype, self._device = dtype or self.params[0].dtype, self.params[0].device
+        self._size_wire(tail, world_size)
+        self._make_shard(world_size, rank, reduce_by, pool)
+        self.hooked = False
+        if hooked:
+            self.reduce_as_hook(hook_dtype)
+        self.views: list[torch.Tensor] = []
+        if transient:
+            self.release()
+        else:
+            self.allocate()
+        self._start_state()
+
+    def _take_params(self, param_indices: Sequence[int], params: Sequence[torch.Tensor], sparse: bool) -> None:
+        """The parameters, where their gradients lie in the buffer, and which are copied early."""
         self.param_indices = list(param_indices)
         self.params = [params[i] for i in self.param_indices]
         # A parameter with a sparse gradient has a bucket of its own and no flat buffer: the
         # sparse gradient itself is reduced, and the result replaces `.grad`.
         self.sparse = sparse
-        self.sparse_grad: torch.Tensor | None = None
-        # What is all-reduced when it is not the buffer itself (sparse gradient, or the buffer
-        # cast to a separate reduce dtype); the reduced values are read back from it.
-        self.payload: torch.Tensor = torch.empty(0)
         self.lengths = [0 if sparse else p.numel() for p in self.params]
         self.offsets = _running_offsets(self.lengths)
+        self.numel = sum(self.lengths)
         self.all_small = all(n < FUSED_COPY_MIN_NUMEL for n in self.lengths)
         # Large gradients are copied in at their own hook (`take_one`), as torch copies each
         # at its hook: the bucket's launch then waits only for its last gradient's copy, not
@@ -103,54 +123,36 @@ class Bucket:
         self._copied = [False] * len(self.params)
         self._n_copied = 0
         self._unaliased = [False] * len(self.params)  # read only: no gradient is a view of ours
-        first = self.params[0]
-        # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
-        # the low-precision compute dtype.
-        self.numel = numel = sum(self.lengths)
-        # `wire` is what an all-reduce can send: the gradients (`buffer`) plus `tail` extra
-        # elements after them, where the Reducer lets small per-rank counts ride along.
-        padded = -(-numel // world_size) * world_size if collective == "reduce_scatter" else numel
-        self._wire_numel, self._tail_numel = max(padded, numel + tail), tail
-        # A transient bucket (sharded gradients) holds its buffer only from its fill until its
-        # reduce-scatter has completed: gradient memory is then the shards plus the buckets in
-        # flight, not a second copy of every gradient.
-        self.transient = transient
-        self._pool = pool if transient else None
-        self._lent: torch.Tensor | None = None  # the pool's buffer `wire` is a view of
-        self._dtype, self._device = dtype or first.dtype, first.device
-        # With a compression hook's dtype: the cast (padded) is what is reduced, and the
-        # reduce-scatter's result in that dtype; the buffer goes once cast (`_hooked_payload`).
-        self.hooked = False
-        self._hook_dtype: torch.dtype | None = None
-        if hooked:
-            self.reduce_as_hook(hook_dtype)
-        self._cast_wire: torch.Tensor | None = None
-        self._cast_lent: torch.Tensor | None = None
-        self._cast_shard: torch.Tensor | None = None
-        self._received: torch.Tensor | None = None  # all-to-all: the ranks' parts of this shard
-        self._received_lent: torch.Tensor | None = None
-        self._own: torch.Tensor | None = None  # all-to-all: this rank's part, left where it lies
-        self.views: list[torch.Tensor] = []
         # Whether some gradients are copied in at their hooks (`take_one`): a dense bucket of
         # several parameters whose buffer lives across iterations (read on the hot path).
-        self.copies_early = not sparse and not transient and len(self.params) > 1 and any(self.early)
-        if transient:
-            self.release()
-        else:
-            self.allocate()
-        # A reduce-scatter's result: this rank's slice of the summed (padded) buffer, in the
-        # parameters' own dtype (under mixed precision the bucket's is the compute dtype): the
-        # sharded optimizer steps the parameters with views of it.
-        chunk = self._wire_numel // world_size if collective == "reduce_scatter" else 0
-        self.shard = torch.zeros(chunk, dtype=first.dtype, device=self._device)
-        self.shard_offset = rank * chunk
-        self._rank, self._world_size = rank, world_size
-        # gloo's reduce-scatter copies its input and runs 1.3-2.5x slower than its all-reduce
-        # (16 MiB, 2 ranks: 24 vs 10 ms on loopback, 89 vs 70 ms at 2 Gbit/s), and its all-to-all
-        # twice as fast as that all-reduce: there each rank sends each shard to its owner and
-        # sums what it receives (`take_shard`; `REDUCE_BY`).
-        self.reduce_by = reduce_by
-        # Per-iteration state, reset by `reset()`.
+        self.copies_early = not sparse and not self.transient and len(self.params) > 1 and any(self.early)
+
+    def _size_wire(self, tail: int, world_size: int) -> None:
+        """`wire` is what an all-reduce can send: the gradients (`buffer`) plus `tail` extra
+        elements after them, where the Reducer lets small per-rank counts ride along; a
+        reduce-scatter's is padded to a multiple of the world size."""
+        numel = self.numel
+        padded = -(-numel // world_size) * world_size if self.collective == "reduce_scatter" else numel
+        self._wire_numel, self._tail_numel = max(padded, numel + tail), tail
+
+    def _make_shard(self, world_size: int, rank: int, reduce_by: str, pool: BufferPool | None) -> None:
+        """The shard and its reduction (`BucketShard`). A transient bucket (sharded gradients)
+        holds its buffer only from its fill until its reduce-scatter has completed, lent by
+        `pool`: gradient memory is then the shards plus the buckets in flight, not a second
+        copy of every gradient."""
+        self._sharded = BucketShard(
+            self.numel, self._wire_numel, self._device, self.params[0].dtype, world_size, rank, reduce_by,
+            pool if self.transient else None, scattered=self.collective == "reduce_scatter",
+        )
+        self.shard, self.shard_offset = self._sharded.shard, self._sharded.offset
+        self.reduce_by = reduce_by  # `REDUCE_BY`
+
+    def _start_state(self) -> None:
+        """The per-iteration state (`reset` clears it) and how the sum is divided."""
+        self.sparse_grad: torch.Tensor | None = None
+        # What is all-reduced when it is not the buffer itself (sparse gradient, or the buffer
+        # cast to a separate reduce dtype); the reduced values are read back from it.
+        self.payload: torch.Tensor = self.buffer
         self.pending = len(self.params)
         self.work: torch.distributed.Work | None = None
         self.landed = False
@@ -187,11 +189,7 @@ class Bucket:
         """Give the bucket its buffer and the views. The buffer is not zeroed, new or lent by
         the pool (as torch's reducer allocates with `empty`): `fill` writes every view, zeros
         where a gradient is missing. Only what lies past the gradients (padding, tail) is."""
-        if self._pool is None:
-            self.wire = torch.empty(self._wire_numel, dtype=self._dtype, device=self._device)
-        else:
-            self._lent = self._pool.take(self._wire_numel, self._dtype, self._device)
-            self.wire = self._lent.narrow(0, 0, self._wire_numel)
+        self.wire = self._sharded.lend_wire(self._dtype)
         if self._wire_numel > self.numel:
             self.wire.narrow(0, self.numel, self._wire_numel - self.numel).zero_()
         self.buffer = self.wire.narrow(0, 0, self.numel) if self._wire_numel != self.numel else self.wire
@@ -205,29 +203,23 @@ class Bucket:
         """Drop a transient bucket's buffers; back to the pool if `reusable` (its collective
         has been waited for: nothing but a view still unread, such as the tail, refers to it)."""
         self._drop_buffer(reusable)
-        if self._cast_lent is not None and reusable and self._pool is not None:
-            self._pool.give(self._cast_lent)
-        if self._received_lent is not None and reusable and self._pool is not None:
-            self._pool.give(self._received_lent)
-        self._cast_lent = self._cast_wire = self._cast_shard = None
-        self._received = self._received_lent = self._own = None
+        self._sharded.release(reusable)
         self.payload = self.buffer
 
     def _drop_buffer(self, reusable: bool) -> None:
-        if self._lent is not None and reusable:
-            self._pool.give(self._lent)  # type: ignore[union-attr]
-        self._lent = None
+        self._sharded.give_wire(reusable)
         self.wire = self.buffer = torch.empty(0, dtype=self._dtype, device=self._device)
         self.tail, self.views = None, []
 
     def reduce_as_hook(self, dtype: torch.dtype | None) -> None:
-        """From now on reduce as torch's averaging hooks do, in `dtype` (`Sharding.hooked`)."""
-        self.hooked, self._hook_dtype = True, dtype if dtype != self._dtype else None
+        """From now on reduce as torch's averaging hooks do, in `dtype` (`Sharding.hooked`):
+        the buffer cast (padded) is what is reduced, and goes once cast (`_hooked_payload`)."""
+        self.hooked, self._sharded.hook_dtype = True, dtype if dtype != self._dtype else None
 
     @property
     def holds_memory(self) -> bool:
         """A transient bucket between its fill and the landing of its reduction."""
-        return bool(self.views) or self._cast_wire is not None or self._received is not None
+        return bool(self.views) or self._sharded.holds_memory
 
     # ------------------------------------------------------------------ filling and writing back
 
@@ -253,7 +245,7 @@ class Bucket:
         if self._n_copied:
             self._fill_rest(grads, aliased, divisor)
         elif not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
-            self._copy_in(grads, divisor)
+            _copy_in(self.views, grads, divisor, self.buffer if self.all_small else None)
         elif all(aliased):
             if divisor:
                 self.buffer.div_(divisor)
@@ -281,30 +273,6 @@ class Bucket:
                 if not self._copied[j]:
                     _scale_into(grads[j], bucket_views[j], aliased[j], divisor)  # scaled while copied
         _copy_batch(views, batch, divisor)
-
-    def _copy_in(self, grads: list[torch.Tensor | None], divisor: int) -> None:
-        """views = grads / divisor, in as few passes over memory and kernel calls as we can.
-
-        Large gradients are scaled while copied (one pass each); small ones are copied with one
-        batched call and scaled with another, which beats a call per tensor. Same arithmetic
-        either way: a float multiply by 1/divisor.
-        """
-        inv = 1.0 / divisor if divisor else 1.0
-        if self.all_small and all(g is not None for g in grads):  # the common case
-            torch._foreach_copy_(self.views, grads)  # type: ignore[arg-type]
-            if divisor:
-                self.buffer.mul_(inv)
-            return
-        small_views, small_grads = [], []
-        for view, grad in zip(self.views, grads):
-            if grad is None:
-                view.zero_()
-            elif divisor and grad.numel() >= FUSED_COPY_MIN_NUMEL:
-                torch.mul(grad, inv, out=view)
-            else:
-                small_views.append(view)
-                small_grads.append(grad)
-        _copy_batch(small_views, small_grads, divisor)
 
     def view_grads(self, which: Sequence[bool] | None = None) -> None:
         """Point `.grad` of the parameters (all, or those flagged) at their views: the one place
@@ -365,81 +333,22 @@ class Bucket:
         if self.collective == "all_reduce" or self.by_all_reduce:  # sharded: `wire` unpadded, summed as DDP sums
             self.work = group.allreduce([wire])
             return self.work
-        source = self._cast_wire if self._cast_wire is not None else self.wire
-        if self.reduce_by == "all_to_all":
-            self.work = self._all_to_all(group, source)
-        else:
-            target = self.shard
-            if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
-                target = self._cast_shard = torch.empty(self.shard.numel(), dtype=source.dtype, device=self._device)
-            self.work = group._reduce_scatter_base(target, source, torch.distributed.ReduceScatterOptions())
+        self.work = self._sharded.start(group, self.wire)
         return self.work
-
-    def _all_to_all(self, group: torch.distributed.ProcessGroup, source: torch.Tensor) -> torch.distributed.Work:
-        """Send each rank its part of `source` and receive every rank's part of this rank's
-        shard. The first and last ranks send nothing to themselves (what they would send lies
-        outside one contiguous run only for the others): they receive N-1 parts, not N, so
-        at 2 ranks a bucket in flight holds half a bucket more, not a whole one."""
-        chunk, rank, world = self.shard.numel(), self._rank, self._world_size
-        self._own = None
-        if world > 1 and rank in (0, world - 1):
-            self._own = source.narrow(0, rank * chunk, chunk)
-            send = source.narrow(0, chunk if rank == 0 else 0, (world - 1) * chunk)
-            splits = [0 if r == rank else chunk for r in range(world)]
-        else:
-            send, splits = source, [chunk] * world
-        self._received = self._receive_buffer(send.numel(), source)
-        return group.alltoall_base(self._received, send, splits, splits, torch.distributed.AllToAllOptions())
-
-    def _receive_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """Where an all-to-all lands: the ranks' parts of this shard, in rank order."""
-        if self._pool is not None:
-            self._received_lent = self._pool.take(numel, like.dtype, like.device)
-            return self._received_lent.narrow(0, 0, numel)
-        if self._received_lent is None or self._received_lent.dtype != like.dtype:  # kept: a persistent bucket
-            self._received_lent = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return self._received_lent.narrow(0, 0, numel)
 
     @property
     def shard_range(self) -> tuple[int, int]:
         """[start, stop) of this rank's shard in the bucket's gradients: where its gradients
         lie, short of the padding (empty for a rank whose whole shard is padding)."""
-        start = min(self.shard_offset, self.numel)
-        return start, min(start + self.shard.numel(), self.numel)
+        return self._sharded.shard_range
 
     def take_shard(self) -> None:
         """After the collective: this rank's shard of the sum (already there unless reduced by
         all-reduce, whose whole result is in the buffer)."""
-        start, stop = self.shard_range
-        if self._received is not None:
-            self._sum_received(self._received)
-        elif self.by_all_reduce:  # the payload: the buffer, or its cast (a hook, mixed precision)
-            if stop > start:
-                self.shard.narrow(0, 0, stop - start).copy_(self._divided(self.payload.narrow(0, start, stop - start)))
-        elif self._cast_shard is not None:
-            self.shard.copy_(self._divided(self._cast_shard))
-        elif stop > start:  # summed into the shard itself, in its dtype
-            self._divided(self.shard)
+        self._sharded.take(self.payload, self.by_all_reduce, self._divided)
         self._sum_divisor = 0  # a shard of padding only: nothing to divide
         if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)
-            self._cast_wire = self._cast_shard = None
-
-    def _sum_received(self, received: torch.Tensor) -> None:
-        """The shard: the ranks' parts added in rank order, in their dtype (as the collective
-        would sum), then taken into the shard's. At 2 ranks one addition: all-reduce's sum."""
-        parts = list(received.view(-1, self.shard.numel()))
-        if self._own is not None:  # this rank's own part was not sent: it is first or last
-            parts.insert(0 if self._rank == 0 else len(parts), self._own)
-        if len(parts) == 1:  # world size 1
-            self.shard.copy_(self._divided(parts[0]))
-            return
-        total = self.shard if received.dtype == self.shard.dtype else torch.empty_like(parts[0])
-        torch.add(parts[0], parts[1], out=total)
-        for part in parts[2:]:
-            total.add_(part)
-        self._divided(total)
-        if total is not self.shard:
-            self.shard.copy_(total)
+            self._sharded.drop_cast()
 
     def fill_sparse(self, divisor: int) -> bool:
         """Take the sparse gradient, divided by `divisor`; False if there is none to take."""
@@ -465,7 +374,7 @@ class Bucket:
         elif reduce_dtype is not None:  # into the same tensor every step, not a new one
             if self._cast is None or self._cast.dtype != reduce_dtype:
                 self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype, device=self.buffer.device)
-            self.payload = _scaled_into(self.buffer, scale, self._cast)
+            self.payload = scaled_into(self.buffer, scale, self._cast)
         else:
             self.payload = self.buffer
         return self.payload
@@ -481,28 +390,14 @@ class Bucket:
 
     def _hooked_payload(self, divisor: int) -> torch.Tensor:
         """As torch's averaging hooks: `buffer.to(dtype).div_(world_size)`, then summed."""
-        if self._hook_dtype is None:
+        if self._sharded.hook_dtype is None:
             return self.buffer.div_(divisor)
-        return self._cast_payload(self._hook_dtype, divisor, reciprocal=False)
+        return self._cast_payload(self._sharded.hook_dtype, divisor, reciprocal=False)
 
     def _cast_payload(self, dtype: torch.dtype, divisor: int, reciprocal: bool) -> torch.Tensor:
-        """A reduce-scatter bucket's buffer cast to `dtype` and divided there (`reciprocal`:
-        multiplied by 1/divisor, as the all-reduce path's cast is, not at all for divisor 0;
-        else divided, as torch's hooks do). The cast, padded, replaces the buffer, which goes
-        back at once."""
-        padded = self._wire_numel
-        if self._pool is not None:
-            self._cast_lent = self._pool.take(padded, dtype, self._device)
-            self._cast_wire = self._cast_lent.narrow(0, 0, padded)
-        else:
-            self._cast_wire = torch.empty(padded, dtype=dtype, device=self._device)
-        cast = self._cast_wire.narrow(0, 0, self.numel)
-        if reciprocal:
-            _scaled_into(self.buffer, divisor, cast)
-        else:
-            cast.copy_(self.buffer).div_(divisor)
-        if padded > self.numel:
-            self._cast_wire.narrow(0, self.numel, padded - self.numel).zero_()
+        """A reduce-scatter bucket's buffer cast to `dtype` and divided there (`BucketShard.cast`).
+        The cast, padded, replaces the buffer, which goes back at once."""
+        cast = self._sharded.cast(self.buffer, dtype, divisor, reciprocal)
         if self.transient:
             self._drop_buffer(reusable=True)  # copied: nothing reads it again
         return cast
@@ -606,11 +501,31 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape
 
 
-def _scaled_into(source: torch.Tensor, divisor: int, out: torch.Tensor) -> torch.Tensor:
-    """`out` = `source` times 1/`divisor`, in `out`'s dtype; a plain copy for divisor 0."""
-    if divisor:
-        return torch.mul(source, 1.0 / divisor, out=out)
-    return out.copy_(source)
+def _copy_in(views: list[torch.Tensor], grads: list[torch.Tensor | None], divisor: int,
+             whole: torch.Tensor | None) -> None:
+    """views = grads / divisor, in as few passes over memory and kernel calls as we can;
+    `whole`: the buffer the views tile, when all are small.
+
+    Large gradients are scaled while copied (one pass each); small ones are copied with one
+    batched call and scaled with another, which beats a call per tensor. Same arithmetic
+    either way: a float multiply by 1/divisor.
+    """
+    inv = 1.0 / divisor if divisor else 1.0
+    if whole is not None and all(g is not None for g in grads):  # the common case
+        torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
+        if divisor:
+            whole.mul_(inv)
+        return
+    small_views, small_grads = [], []
+    for view, grad in zip(views, grads):
+        if grad is None:
+            view.zero_()
+        elif divisor and grad.numel() >= FUSED_COPY_MIN_NUMEL:
+            torch.mul(grad, inv, out=view)
+        else:
+            small_views.append(view)
+            small_grads.append(grad)
+    _copy_batch(small_views, small_grads, divisor)
 
 
 def _copy_batch(views: list[torch.Tensor], grads: list[torch.Tensor], divisor: int) -> None:

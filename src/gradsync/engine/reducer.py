@@ -257,11 +257,11 @@ class Reducer:
                 [self.names[i] for i in self._it.unmarked()], self.rank, self._s.find_unused, self.iteration,
                 self._waits.monitor,
             )
-            self._abandon_iteration()
+            self.abandon_iteration()
             raise error
 
-    def _abandon_iteration(self) -> None:
-        """Drop a broken iteration so the reducer can be used again after the error."""
+    def abandon_iteration(self) -> None:
+        """Drop a broken iteration (after an error, or a step fault tolerance discards)."""
         self.phase = Phase.IDLE
         self._it = Iteration.idle(self.iteration, len(self.params), self._it.divisor)
         self._clear_reduction()
