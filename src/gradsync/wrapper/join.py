@@ -15,12 +15,11 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.algorithms.join import JoinHook
 
 from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, broadcast_tensors, wait
 from ..engine.device import object_device
-from ..engine.reducer import Reducer
+from .views import WrapperView
 
 __all__ = [
     "DDPJoinHook",
@@ -32,22 +31,10 @@ __all__ = [
 ]
 
 
-class JoinedWrapper(Protocol):
+class JoinedWrapper(WrapperView, Protocol):
     """What a joined rank's hook needs of its wrapper: torch's public names."""
 
     require_forward_param_sync: bool
-
-    @property
-    def module(self) -> nn.Module: ...
-
-    @property
-    def process_group(self) -> dist.ProcessGroup: ...
-
-    @property
-    def reducer(self) -> Reducer | None: ...
-
-    @property
-    def forward_sync_buffers(self) -> bool: ...
 
     def will_sync_module_buffers(self) -> bool: ...
 

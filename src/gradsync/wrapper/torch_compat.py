@@ -28,6 +28,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as TorchDDP
 from ..engine.reducer import Phase, Reducer
 from ..engine.timeline import EventKind
 from ..observability.stats import Stats
+from .views import WrapperView
 
 __all__ = [
     "ACTIVE_FORWARDS",
@@ -154,17 +155,8 @@ class ActiveForwards:
 ACTIVE_FORWARDS = ActiveForwards()
 
 
-class LoggedWrapper(Protocol):
+class LoggedWrapper(WrapperView, Protocol):
     """What `logging_data` reads of the wrapper: torch's public names, and `stats()`."""
-
-    @property
-    def module(self) -> nn.Module: ...
-
-    @property
-    def process_group(self) -> dist.ProcessGroup: ...
-
-    @property
-    def reducer(self) -> Reducer | None: ...
 
     @property
     def device_ids(self) -> list[torch.device] | None: ...
@@ -180,9 +172,6 @@ class LoggedWrapper(Protocol):
 
     @property
     def gradient_as_bucket_view(self) -> bool: ...
-
-    @property
-    def forward_sync_buffers(self) -> bool: ...
 
     @property
     def static_graph(self) -> bool: ...
