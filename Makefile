@@ -11,7 +11,7 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet $(TORCH_PIN) -e '.[dev,frameworks]'
+	$(PY) -m pip install --quiet $(TORCH_PIN) -e '.[dev,frameworks,ft]'
 	touch $@
 
 lint: $(VENV)/.installed
