@@ -171,6 +171,7 @@ def main() -> int:
     print("\n".join(line for line in out.splitlines() if line.startswith(("[", "|", " "))))
     print(text)
     if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.with_suffix(".md").write_text(text + "\n")
         args.out.with_suffix(".json").write_text(json.dumps(results))
     return 0
