@@ -164,9 +164,8 @@ def test_no_module_reads_another_modules_private_attributes():
         for node in ast.walk(tree):
             if not isinstance(node, ast.Attribute) or node.attr not in ours or node.attr in defined[module]:
                 continue
-            owner = ast.unparse(node.value)
-            if owner not in ("self", "cls") and not owner.startswith("super("):
-                reaches.append(f"{module}: {owner}.{node.attr}")
+            # `self._x` too: a subclass in another module reading its base's private state.
+            reaches.append(f"{module}: {ast.unparse(node.value)}.{node.attr}")
     assert reaches == []
 
 

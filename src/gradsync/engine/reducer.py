@@ -177,9 +177,9 @@ class Reducer:
         """Whether the one-time rebuild in ready order has happened (or will not happen)."""
         return not self._needs_rebuild
 
-    def _rebuild_if_due(self) -> None:
-        # As torch: after the first synchronised iteration, or with a static graph the second
-        # (the first only counts hooks, reducing everything at its end, in no real order).
+    def rebuild_if_due(self) -> None:
+        """Rebuild the buckets in ready order once, as torch: after the first synchronised
+        iteration, or with a static graph the second (the first only counts hooks)."""
         if not self._needs_rebuild or self._timelines.finished < (2 if self._s.static else 1):
             return
         self._needs_rebuild = False
@@ -212,7 +212,7 @@ class Reducer:
         self._check_prior_reduction_finished()
         self._checks.check_landed(self.iteration, self.config.check_accumulation)
         self._timelines.publish_landed()
-        self._rebuild_if_due()
+        self.rebuild_if_due()
         self.iteration += 1
         self._clear_reduction()
         self.phase = Phase.PREPARED
@@ -465,7 +465,7 @@ class Reducer:
     def shadow_iteration(self) -> None:
         """On a rank that has run out of data, match the collectives of one synchronised
         iteration of the ranks still training (`shadow`), on its own buckets, zeroed."""
-        self._rebuild_if_due()
+        self.rebuild_if_due()
         # Averaged over the ranks its last iteration averaged over (the active ranks' divisor).
         it = Iteration.idle(self.iteration, len(self.params), self._it.divisor)
         it.micro_steps, it.ride = 0, self._finisher.reports_ride_along()

@@ -109,7 +109,7 @@ class TorchNamedReducer(Reducer):
         gradsync rebuilds at `prepare_for_backward` anyway; doing it here first is the same."""
         if self.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED) or self.rebuilt:
             return False
-        self._rebuild_if_due()
+        self.rebuild_if_due()
         return self.rebuilt
 
     def _delay_all_reduce(self) -> None:
