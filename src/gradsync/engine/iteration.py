@@ -12,13 +12,9 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
-from .timeline import IterationTimeline
+from .timeline import IterationTimeline, untimed
 
 __all__ = ["Iteration"]
-
-
-def _untimed() -> int:
-    return 0
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -29,7 +25,7 @@ class Iteration:
     marked: list[bool]
     """Per parameter: marked ready (by its hook, or up front as unused)."""
     timeline: IterationTimeline
-    grad_clock: Callable[[], int] = _untimed
+    grad_clock: Callable[[], int] = untimed
     """Reads a gradient's ready time (untimed on device iterations not sampled)."""
     divisor: int = 1
     """The number of ranks the gradients are averaged over."""

@@ -10,14 +10,10 @@ import torch
 from .bucket_set import BucketSet
 from .iteration import Iteration
 from .settings import Settings
-from .timeline import UNTIMED, DiscardedEvents, IterationTimeline
+from .timeline import DiscardedEvents, IterationTimeline, untimed
 from .unused import reachable_parameters
 
 __all__ = ["new_iteration", "unused_up_front", "watch_backward_start"]
-
-
-def untimed() -> int:
-    return UNTIMED
 
 
 def new_iteration(s: Settings, buckets: BucketSet, number: int, divisor: int, micro_steps: int,

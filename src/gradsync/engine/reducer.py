@@ -52,7 +52,7 @@ from .prepare import new_iteration, unused_up_front, watch_backward_start
 from .profiling import profiled as _profiled
 from .report_checks import ReportChecks
 from .settings import Settings, changed_config
-from .timeline import UNTIMED, EventKind
+from .timeline import EventKind
 from .unused import find_tensors
 from .used_map import UsedMap
 from .waits import StallMonitor, Waits
@@ -542,10 +542,6 @@ def _dispatch_hook(reducer: weakref.ref[Reducer], index: int, param: torch.Tenso
     live = reducer()
     if live is not None:
         live._autograd_hook(index, param)
-
-
-def _untimed() -> int:
-    return UNTIMED
 
 
 def _remove_handles(handles: list) -> None:

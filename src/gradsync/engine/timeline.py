@@ -10,10 +10,15 @@ from __future__ import annotations
 import dataclasses
 import time
 
-__all__ = ["UNTIMED", "DiscardedEvents", "EventKind", "IterationTimeline", "now_ns"]
+__all__ = ["UNTIMED", "DiscardedEvents", "EventKind", "IterationTimeline", "now_ns", "untimed"]
 
 now_ns = time.perf_counter_ns
 UNTIMED = 0  # a reading not taken (a gradient's, on a device iteration not sampled)
+
+
+def untimed() -> int:
+    """The clock of gradients not timed: every reading `UNTIMED`."""
+    return UNTIMED
 
 
 class EventKind:
