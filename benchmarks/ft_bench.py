@@ -6,7 +6,8 @@ on the emulated cluster (two hosts, one replica each, links shaped to `--link`; 
 
 Each host runs one process holding all three variants side by side, started from the same seed:
 
-* "gradsync": `gradsync.DistributedDataParallel` over a fixed gloo group (no fault tolerance);
+* "gradsync": `gradsync.DistributedDataParallel` over a fixed gloo group (no fault tolerance),
+  built twice ("gradsync A/A": the same model again, for the noise of a paired ratio);
 * "gradsync.ft": `gradsync.ft.DistributedDataParallel(manager, model)` under a torchft Manager;
 * "torchft DDP": `torchft.ddp.DistributedDataParallel(manager, model)` under the same Manager.
 
@@ -28,7 +29,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-VARIANTS = ("gradsync", "gradsync.ft", "torchft DDP")
+VARIANTS = ("gradsync", "gradsync A/A", "gradsync.ft", "torchft DDP")
 DIST_PORT, LIGHTHOUSE_PORT = 29500, 29510
 
 
@@ -42,7 +43,7 @@ def _build(variant: str, model_name: str, manager, cap_mb: float, lr: float = 1e
 
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
-    if variant == "gradsync":
+    if variant in ("gradsync", "gradsync A/A"):
         wrapped = gradsync.DistributedDataParallel(model, bucket_cap_mb=cap_mb)
         return wrapped, torch.optim.SGD(wrapped.parameters(), lr=lr), make_input
     if variant == "gradsync.ft":
@@ -52,7 +53,8 @@ def _build(variant: str, model_name: str, manager, cap_mb: float, lr: float = 1e
     return wrapped, torchft.Optimizer(manager, torch.optim.SGD(wrapped.parameters(), lr=lr)), make_input
 
 
-def _steps(wrapped, optim, make_input, steps: int, seed: int) -> list[float]:
+def _steps(wrapped, optim, make_input, steps: int, seed: int) -> list[list[float]]:
+    """Per timed step: [whole step, zero_grad, forward and backward, optimizer step] in seconds."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -61,9 +63,12 @@ def _steps(wrapped, optim, make_input, steps: int, seed: int) -> list[float]:
         x = make_input(g)
         start = time.perf_counter()
         optim.zero_grad()  # under torchft: starts this step's quorum
+        zeroed = time.perf_counter()
         wrapped(x).float().pow(2).mean().backward()
+        backward = time.perf_counter()
         optim.step()  # under torchft: should_commit, then the step
-        times.append(time.perf_counter() - start)
+        end = time.perf_counter()
+        times.append([end - start, zeroed - start, backward - zeroed, end - backward])
     return times[1:]
 
 
@@ -84,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
         world_size=1, lighthouse_addr=f"http://{host0}:{LIGHTHOUSE_PORT}", hostname=me, init_sync=False,
         timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
     )
-    results: dict[str, dict[str, list[list[float]]]] = {}
+    results: dict[str, dict[str, list[list[list[float]]]]] = {}
     for model_name in args.models.split(","):
         built = {v: _build(v, model_name, manager, args.bucket_cap_mb) for v in VARIANTS}
         per = results.setdefault(model_name, {v: [] for v in VARIANTS})
@@ -108,17 +113,23 @@ def table(results: dict, link: str, steps: int, cap_mb: float) -> str:
     lines = [f"Step time on two emulated hosts at {link} (one replica per host, gloo, {steps} steps per "
              f"block, bucket_cap_mb={cap_mb:g}, medians; ratios paired by round: median [min-max])", "",
              "| model | gradsync ms | gradsync.ft ms | torchft DDP ms | gradsync.ft / torchft DDP "
-             "| gradsync.ft / gradsync |", "|---|---:|---:|---:|---:|---:|"]
+             "| gradsync.ft / gradsync | A/A: gradsync / gradsync |", "|---|---:|---:|---:|---:|---:|---:|"]
     def paired(med: dict[str, list[float]], a: str, b: str) -> str:
         rs = [x / y for x, y in zip(med[a], med[b])]
         return f"{statistics.median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}]"
 
+    phases = ["", "Where the time goes (median ms per step: zero_grad | forward and backward | "
+              "optimizer step; under torchft, zero_grad starts the quorum and the step asks should_commit):", "",
+              "| model | variant | zero_grad | forward + backward | step |", "|---|---|---:|---:|---:|"]
     for model, per in results.items():
-        med = {v: [statistics.median(block) * 1e3 for block in per[v]] for v in VARIANTS}
+        med = {v: [statistics.median(step[0] for step in block) * 1e3 for block in per[v]] for v in VARIANTS}
+        for v in VARIANTS:
+            cols = [statistics.median(step[k] for block in per[v] for step in block) * 1e3 for k in (1, 2, 3)]
+            phases.append(f"| {model} | {v} | " + " | ".join(f"{c:.1f}" for c in cols) + " |")
         lines.append(f"| {model} | {statistics.median(med['gradsync']):.1f} | {statistics.median(med['gradsync.ft']):.1f} "
                      f"| {statistics.median(med['torchft DDP']):.1f} | {paired(med, 'gradsync.ft', 'torchft DDP')} "
-                     f"| {paired(med, 'gradsync.ft', 'gradsync')} |")
-    return "\n".join(lines)
+                     f"| {paired(med, 'gradsync.ft', 'gradsync')} | {paired(med, 'gradsync', 'gradsync A/A')} |")
+    return "\n".join(lines + phases)
 
 
 def main() -> int:

@@ -329,3 +329,58 @@ def test_hooks_are_launched_on_the_backward_thread_never_from_a_communication_th
 
     for rank, (threads, buckets) in enumerate(run_threaded(body, 2, timeout=60)):
         assert buckets == 24 and threads == {f"rank{rank}"}
+
+
+class _SlowWork(torch.distributed.Work):
+    def __init__(self, future: torch.futures.Future) -> None:
+        super().__init__()
+        self._future = future
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class _SlowGroup(torch.distributed.ProcessGroup):
+    """The real group's all-reduce, its Future completed 30 ms after the data landed: a slow link."""
+
+    def __init__(self, group) -> None:
+        super().__init__(group.rank(), group.size())
+        self.group = group
+
+    def allreduce(self, tensors, opts=None):
+        future, work = torch.futures.Future(), self.group.allreduce(tensors)
+
+        def later():
+            work.wait()
+            time.sleep(0.03)
+            future.set_result(tensors)
+
+        threading.Thread(target=later, daemon=True).start()
+        return _SlowWork(future)
+
+
+def _mean_allreduce_elsewhere(group, bucket):  # the same arithmetic, not a hook gradsync knows
+    return group.allreduce([bucket.buffer().div_(group.size())]).get_future().then(lambda f: f.value()[0])
+
+
+@pytest.mark.parametrize("hook", [comm_hooks.allreduce_hook, torch_hooks.allreduce_hook, _mean_allreduce_elsewhere])
+def test_known_one_allreduce_hooks_launch_as_buckets_fill_others_one_at_a_time(hook):
+    # A known hook issues its one all-reduce inside the call, so it cannot interleave: the
+    # chain launches it as soon as its bucket is full and the link never idles between buckets.
+    # A hook gradsync does not know waits for the previous bucket's Future (see HookChain).
+    def body(rank, group):
+        params = [torch.nn.Parameter(torch.full((4,), float(i))) for i in range(4)]
+        reducer = gradsync.Reducer(params, [[i] for i in range(4)], group)
+        reducer.register_comm_hook(_SlowGroup(group), hook)
+        loss = sum(p.sum() * (rank + 1) for p in params)
+        reducer.prepare_for_backward(loss)
+        loss.backward()
+        return [p.grad[0].item() for p in params], reducer.history[-1].order(3, 4)
+
+    for grads, order in run_threaded(body, 2, timeout=60):
+        assert grads == [1.5] * 4  # (1 + 2) / 2
+        kinds = [k for k, _ in order]
+        if hook is _mean_allreduce_elsewhere:
+            assert order == [(3, 0), (4, 0), (3, 1), (4, 1), (3, 2), (4, 2), (3, 3), (4, 3)]
+        else:
+            assert kinds == [3, 3, 3, 3, 4, 4, 4, 4], order  # every launch before the first completion

@@ -28,7 +28,7 @@ from .timeline import EventKind
 
 LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
 
-__all__ = ["CommHook", "GradBucket", "HookChain", "check_hook", "check_registration", "hook_name",
+__all__ = ["CommHook", "GradBucket", "HookChain", "averages_by_one_allreduce", "check_hook", "check_registration", "hook_name",
            "sharded_hook_dtype"]
 
 # A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
@@ -43,11 +43,18 @@ _SHARDABLE_MODULES = ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks
 _SHARDABLE = {"allreduce_hook": None, "fp16_compress_hook": torch.float16, "bf16_compress_hook": torch.bfloat16}
 
 
+def averages_by_one_allreduce(hook: CommHook) -> bool:
+    """Whether `hook` is one of the known hooks that average a bucket by a single all-reduce,
+    issued inside the call (their Futures' callbacks only cast or copy)."""
+    name = getattr(hook, "__name__", "")
+    return getattr(hook, "__module__", None) in _SHARDABLE_MODULES and name in _SHARDABLE
+
+
 def sharded_hook_dtype(state: object, hook: CommHook, group: Any) -> torch.dtype | None:
     """The dtype a sharded bucket is reduced in for `hook` (None: the bucket's own); a
     ValueError naming the hooks that shard when `hook` is not one of them."""
     name = getattr(hook, "__name__", "")
-    if getattr(hook, "__module__", None) not in _SHARDABLE_MODULES or name not in _SHARDABLE:
+    if not averages_by_one_allreduce(hook):
         raise ValueError(
             f"a communication hook ({hook_name(hook)}) with sharded gradients: only hooks that average "
             "each bucket by one all-reduce shard it (torch's or gradsync.comm_hooks' allreduce_hook, "
@@ -142,14 +149,17 @@ def check_registration(current: tuple[object, CommHook] | None, hook: object, it
 
 
 class HookChain:
-    """Runs the communication hook over the buckets of one iteration, one bucket at a time.
+    """Runs the communication hook over the buckets of one iteration, in order.
 
     Bucket k+1's hook starts only once bucket k's Future has completed. Hooks such as PowerSGD
     issue more collectives from their Futures' callbacks and wait for them there. Started all at
     once, those nested collectives interleave differently on each rank, and callbacks waiting
     on work queued behind them occupy every gloo worker thread: a hang (torch 2.13's DDP hangs
     on PowerSGD with one-parameter buckets for this reason). One at a time, every rank issues
-    the same collectives in the same order.
+    the same collectives in the same order. The known hooks that issue their one all-reduce
+    inside the call (`averages_by_one_allreduce`) cannot interleave: they are launched as their
+    buckets fill, without waiting (`in_order`), so a slow link is never left idle between two
+    buckets (it carries every bucket under torchft).
 
     Hooks are launched where torch's DDP launches them, on the backward thread (`release`,
     `pump` from each gradient's hook, and `result` at the end of backward), never from a
@@ -177,6 +187,7 @@ class HookChain:
         self._launched = 0
         self._pumping = False  # a launch loop is running (on the thread holding the lock)
         self.waiting = False  # released buckets wait for their predecessor's Future
+        self.in_order = averages_by_one_allreduce(hook)  # launched at release, not after the predecessor
 
     def release(self, count: int) -> None:
         with self._lock:
@@ -198,7 +209,7 @@ class HookChain:
         try:
             while self._launched < self._released:
                 previous = self.buckets[self._launched - 1] if self._launched else None
-                if previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
+                if not self.in_order and previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
                     self.waiting = True
                     return
                 bucket = self.buckets[self._launched]

@@ -108,7 +108,7 @@ class Launcher:
             bucket = buckets[it.next_bucket]
             bucket.launch_payload(s.config.reduce_dtype if s.scale_at_launch else None, it.divisor)
             it.next_bucket += 1
-            if it.chain is None:  # else the chain launches it, after its predecessor's Future completes
+            if it.chain is None:  # else the chain launches it (an unknown hook after its predecessor's Future)
                 self._launch(it, bucket)
         if it.chain is not None:
             it.chain.release(it.next_bucket)
