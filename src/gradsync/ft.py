@@ -16,8 +16,10 @@ How it divides the work (torchft is the engine for quorum, heartbeats and live r
   discards the step.
 * gradsync's engine sees this replica alone (a group of one, `_ReplicaLocal`): nothing in it
   depends on how many replicas the current quorum holds, so a quorum change never leaves its
-  state (timeline, iteration count, accumulation check) inconsistent. The one cross-replica
-  exchange it makes besides the buckets, the unused-parameter map, goes through the Manager too.
+  state (timeline, iteration count) inconsistent. The one cross-replica exchange it makes
+  besides the buckets, the unused-parameter map, goes through the Manager too; so does the
+  wrapper's own, the micro-step counts (`ReplicaGroup.send_with_next`), compared at the end of
+  each synchronised backward, since the engine's check sees one replica.
 * The bucket layout is derived from the model alone (`replica_layout`: reverse definition order,
   the expected ready order), never rebuilt from a measured order: a replica that recovers or
   joins late builds exactly the buckets of the others, so their collectives always match.
@@ -42,6 +44,7 @@ from .engine.bucketing import (
     compute_bucket_assignment_by_size,
 )
 from .engine.comm import CommHook
+from .engine.errors import GradSyncError
 from .engine.reducer import Phase, Reducer
 from .observability.log import log
 from .wrapper.ddp import DistributedDataParallel as _GradsyncDDP
@@ -63,6 +66,15 @@ _REFUSED = {
     "mixed_precision": "gradsync runs no communication hook under mixed precision yet, and every "
                        "bucket goes through one here",
 }
+
+_SHARDED_REFUSAL = (
+    "gradsync.ZeroRedundancyOptimizer under torchft: refused. It splits the optimizer state "
+    "across a fixed set of ranks, but under torchft the replicas change from step to step: a "
+    "replica that dies takes its shard with it, and torchft recovers a replica from one healthy "
+    "peer's state_dict, which holds only that peer's shard.\nFixes:\n"
+    "  1. wrap a whole optimizer: torchft.Optimizer(manager, torch.optim.AdamW(...));\n"
+    "  2. to save memory, shard inside each replica group (torchft's HSDP), not across replicas."
+)
 
 
 def replica_layout(
@@ -158,6 +170,14 @@ class ReplicaGroup(dist.ProcessGroup):
     def __init__(self, manager: Manager) -> None:
         super().__init__(0, 1)  # type: ignore[call-arg]  # (rank, size): the overload torchft uses too
         self.manager = manager
+        self._report: torch.Tensor | None = None
+        self.report_work: dist.Work | None = None  # the last report sent, summed across replicas
+
+    def send_with_next(self, report: torch.Tensor) -> None:
+        """Sum `report` across the quorum's replicas just before the next all-reduce (this step's
+        first bucket): it takes the same place in every replica's sequence of collectives, and
+        it is long landed when backward ends."""
+        self._report, self.report_work = report, None
 
     def size(self) -> int:
         return max(1, self.manager.num_participants())  # waits for this step's quorum
@@ -168,6 +188,9 @@ class ReplicaGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         if len(tensors) != 1:
             raise ValueError(f"ReplicaGroup.allreduce: one tensor per call, got {len(tensors)}")
+        if self._report is not None:
+            report, self._report = self._report, None
+            self.report_work = _ManagedWork(self.manager, report, dist.ReduceOp.SUM)  # type: ignore[arg-type]
         return _ManagedWork(self.manager, tensors[0], _reduce_op(opts))
 
     def getBackendName(self) -> str:
@@ -238,8 +261,10 @@ class DistributedDataParallel(_GradsyncDDP):
         self.manager, self.replica_group = manager, replicas
         self._hooked = False
         self._synced_at: int | None = None  # the Manager's step at the last synchronised forward
+        self._forwards = self._reported = 0  # forwards with grad since the last synchronised one; its count
         reducer = self._require_reducer()
         reducer.install_layout(replica_layout(reducer.params, _limits(kwargs), reducer.expect_sparse_gradient))
+        reducer.register_finish_hook(self._check_micro_steps)
         # One key per wrapper of this Manager, in construction order: the same on every replica.
         key = f"gradsync.{_WRAPPERS.setdefault(manager, itertools.count()).__next__()}"
         manager.register_state_dict_fn(key, self._load_replica_state, self._replica_state)
@@ -261,7 +286,43 @@ class DistributedDataParallel(_GradsyncDDP):
         if not self._hooked:  # registered here, not in __init__, so a user's hook may come first
             self.register_comm_hook(None, comm_hooks.allreduce_hook)
         self._drop_discarded_step()
+        self._report_micro_steps()
         return super().forward(*inputs, **kwargs)
+
+    # ------------------------------------------------ micro-steps, compared across replicas
+
+    def _report_micro_steps(self) -> None:
+        """gradsync's engine sees this replica alone, so its own check of the micro-step counts
+        (no_sync forwards) covers one replica. Across replicas: each sends [1, m, m*m] with its
+        first bucket; the sums [n, S, Q] say whether every participant covered the same m
+        (n * Q == S * S exactly when all are equal)."""
+        if not torch.is_grad_enabled():
+            return
+        self._forwards += 1
+        if self.require_backward_grad_sync:
+            m, self._forwards = self._forwards, 0
+            device = self._require_reducer().buckets[0].buffer.device
+            self._reported = m
+            self.replica_group.send_with_next(torch.tensor([1, m, m * m], dtype=torch.int64, device=device))
+
+    def _check_micro_steps(self) -> None:
+        """At the end of each synchronised backward, on every replica alike (the same sums):
+        raise if the participants covered different numbers of micro-steps. The read waits for
+        the device, which torchft's should_commit, called next, does anyway."""
+        work, self.replica_group.report_work = self.replica_group.report_work, None
+        if work is None or not self._require_reducer().config.check_accumulation:
+            return
+        work.wait()
+        n, total, squares = (int(v) for v in work.result()[0].tolist())
+        if n > 1 and n * squares != total * total:
+            raise GradSyncError(
+                f"gradsync.ft: the {n} replicas of step {self.manager.current_step()} covered different numbers "
+                f"of micro-steps (forwards with gradients since the last synchronised one): {total} in all, "
+                f"{self._reported} on this replica. Their gradients are averaged with equal weight, so the step "
+                "would weigh some replicas' batches more than others'.\n"
+                "Fix: run the same number of micro-steps (no_sync forwards + 1) per step on every replica; "
+                "or turn the check off with set_accumulation_check(False)."
+            )
 
     def _drop_discarded_step(self) -> None:
         """A backward that raised on this replica left its iteration half reduced. The script
@@ -286,14 +347,11 @@ class DistributedDataParallel(_GradsyncDDP):
         self._synced_at = step
 
     def shard_gradients(self, in_flight: int | None = None, reduce_by: str | None = None) -> Reducer:
-        raise ValueError(
-            "gradsync.ZeroRedundancyOptimizer under torchft: refused. It splits the optimizer state "
-            "across a fixed set of ranks, but under torchft the replicas change from step to step: a "
-            "replica that dies takes its shard with it, and torchft recovers a replica from one healthy "
-            "peer's state_dict, which holds only that peer's shard.\nFixes:\n"
-            "  1. wrap a whole optimizer: torchft.Optimizer(manager, torch.optim.AdamW(...));\n"
-            "  2. to save memory, shard inside each replica group (torchft's HSDP), not across replicas."
-        )
+        raise ValueError(_SHARDED_REFUSAL)
+
+    def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
+        if group.size() > 1:  # over a group of one (this replica's own ranks: 1) nothing is split
+            raise ValueError(_SHARDED_REFUSAL)
 
     # ---------------------------------------------------------------- live recovery
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -256,6 +257,26 @@ def test_no_sync_find_unused_parameters_and_a_compression_hook(replicas, tmp_pat
     _check_final_states(tmp_path, [0, 1], entries, atol=1e-4, rtol=5e-3, accumulate=2, side=True)
 
 
+@pytest.mark.timeout(120)
+def test_replicas_that_accumulate_different_micro_steps_commit_nothing_and_say_so(replicas):
+    # gradsync's engine sees one replica, so this check runs across replicas in gradsync.ft: each
+    # sends its count with its first bucket, every replica reads the same sums and raises alike.
+    replicas.start(0, "--accumulate", "2")
+    replicas.start(1, "--accumulate", "1")
+    replicas.go([(0, 0), (1, 0)])
+    said = "covered different numbers of micro-steps"
+    replicas.wait_for(lambda: all(said in replicas.output(r) for r in range(2)) or None, 60)
+    for r, own in ((0, 2), (1, 1)):
+        assert re.search(f"not committed \\(gradsync.ft: the 2 replicas of step [01] {said}", replicas.output(r))
+        assert f"3 in all, {own} on this replica" in replicas.output(r)
+    # Step 0 may be committed: one replica usually recovers from the other in it (torchft's
+    # init_sync), so one replica's gradients make it and there is nothing to compare. No step
+    # in which both took part is committed.
+    entries = replicas.entries()
+    assert {e["step"] for e in entries} <= {0}
+    assert sum(e["participating"] for e in entries) <= 1, entries
+
+
 # ----------------------------------------------------------------- without a lighthouse
 
 def _wrapped(**kwargs):
@@ -294,6 +315,19 @@ def test_sharded_optimizer_is_refused_with_the_reason():
     with pytest.raises(ValueError, match="takes its shard with it"):
         gradsync.ZeroRedundancyOptimizer(list(ddp.parameters()), torch.optim.SGD,
                                          process_group=ddp.process_group, lr=0.1)
+
+
+def test_zero_1_across_replicas_is_refused_and_within_a_replica_of_one_rank_works():
+    import gradsync
+
+    ddp, _ = _wrapped()
+    across = torch.distributed.ProcessGroup(0, 2)  # any group of more than one rank: never reached
+    with pytest.raises(ValueError, match="takes its shard with it"):
+        gradsync.ZeroRedundancyOptimizer(list(ddp.parameters()), torch.optim.SGD, process_group=across,
+                                         shard_gradients=False, lr=0.1)
+    one = gradsync.ZeroRedundancyOptimizer(list(ddp.parameters()), torch.optim.SGD,
+                                           process_group=ddp.process_group, shard_gradients=False, lr=0.1)
+    assert one.world_size == 1
 
 
 def test_recovery_refuses_a_peer_with_other_buckets():

@@ -114,3 +114,8 @@ class ReducerControls:
     def unused_parameters(self) -> dict[str, list[int]]:
         """{parameter name: ranks that did not use it} for the last synchronised iteration."""
         return dict(self.reducer.last_unused_report) if self.reducer is not None else {}
+
+    def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
+        """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,
+        before it splits their optimizer state across `group`: a wrapper whose set of ranks
+        changes from step to step (gradsync.ft) refuses, with the reason. Here: nothing to refuse."""

@@ -85,6 +85,7 @@ from .zero_readiness import BackwardSeen, check_own_backward, finish_agreement, 
 from .zero_setup import (
     check_optimizer_class,
     check_overlap_target,
+    check_partition_allowed,
     check_shardable,
     check_unique,
     full_defaults,
@@ -172,6 +173,7 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if wrapper is not None:
             self._shard_over(wrapper, params_all, in_flight)
             return
+        check_partition_allowed(params_all, self.process_group)
         for g in self.param_groups:
             self._partition.add_group(g["params"])
         # ZeRO-1 notes each backward with a hook per parameter; ZeRO-2 counts the

@@ -68,6 +68,13 @@ def sharding_wrapper(params: list[torch.Tensor], shard_gradients: bool | None) -
     return wrapper
 
 
+def check_partition_allowed(params: list[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """ZeRO-1: each wrapper these parameters belong to may refuse to have their optimizer
+    state split across `group` (`check_sharded_optimizer`: gradsync.ft does, with the reason)."""
+    for wrapper in _wrappers([p for p in params if p.requires_grad]).values():
+        wrapper.check_sharded_optimizer(group)
+
+
 def check_shardable(wrapper: Any, params: list[torch.Tensor]) -> None:
     """ZeRO-2: the optimizer must hold exactly the wrapper's trainable parameters, be the only
     one sharding its gradients, and every parameter's memory must be dense."""
