@@ -28,8 +28,8 @@ from .timeline import EventKind
 
 LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
 
-__all__ = ["CommHook", "GradBucket", "HookChain", "averages_by_one_allreduce", "check_hook", "check_registration", "hook_name",
-           "sharded_hook_dtype"]
+__all__ = ["CommHook", "GradBucket", "HookChain", "averages_by_one_allreduce", "check_hook", "check_registration",
+           "hook_name", "sharded_hook_dtype"]
 
 # A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
 CommHook = Callable[[Any, Any], torch.futures.Future]
