@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import sys
 
 import pytest
 import torch
@@ -555,3 +556,31 @@ def test_gradients_keep_the_strides_torch_ddp_gives_them_in_channels_last(as_vie
             assert (stride, param_stride) == theirs[name][1:], (name, stride, theirs[name][1])
         if as_view:  # the case that tells `as_strided` from `view` apart is there
             assert theirs["first.weight"][1] == (9, 1, 3, 1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_world_of_one_copies_gradients_in_without_a_scaling_pass(world_size):
+    # x * 1.0 is x bit for bit, so at world size 1 (one GPU) the fill skips the multiply every
+    # bucket would otherwise get; the parameters are torch's DDP's all the same.
+    from unittest import mock
+
+    def body(rank, group):
+        return train_wrapper(GradsyncDDP, rank, group, "many_small", batches), \
+            train_wrapper(TorchDDP, rank, group, "many_small", batches)
+
+    def counted(owner, name):
+        original = getattr(owner, name)
+
+        def call(*args, **kwargs):
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("gradsync."):  # not the optimizer's
+                scaled.append(name)
+            return original(*args, **kwargs)
+
+        return mock.patch.object(owner, name, call)
+
+    batches, scaled = make_batches(STEPS, world_size), []
+    with counted(torch.Tensor, "mul_"), counted(torch, "_foreach_mul_"), counted(torch, "mul"):
+        results = run_threaded(body, world_size, timeout=60)
+    for ours, theirs in results:
+        assert_records_equal(ours, theirs, exact=True, what=f"world size {world_size}")
+    assert (len(scaled) == 0) == (world_size == 1), scaled

@@ -57,9 +57,10 @@ class Launcher:
     def divisor(self, it: Iteration) -> int:
         """What a bucket's gradients are divided by as they go in: a communication hook
         averages itself (torch's protocol), mixed precision divides each bucket's sum
-        (`Bucket.divides_sum`): 0, copied as they are."""
+        (`Bucket.divides_sum`): 0, copied as they are. A divisor of 1 is 0 too: x * 1.0 is x,
+        bit for bit, so a world of one (one GPU) skips a pass over every bucket."""
         s = self.settings
-        return it.divisor if s.comm_hook is None and not s.divides_sums else 0
+        return it.divisor if s.comm_hook is None and not s.divides_sums and it.divisor != 1 else 0
 
     def fill(self, it: Iteration, bucket: Bucket) -> None:
         if bucket.sparse:
