@@ -262,6 +262,7 @@ class DistributedDataParallel(_GradsyncDDP):
         self._hooked = False
         self._synced_at: int | None = None  # the Manager's step at the last synchronised forward
         self._forwards = self._reported = 0  # forwards with grad since the last synchronised one; its count
+        self._report_templates: dict[int, torch.Tensor] = {}
         reducer = self._require_reducer()
         reducer.install_layout(replica_layout(reducer.params, _limits(kwargs), reducer.expect_sparse_gradient))
         reducer.register_finish_hook(self._check_micro_steps)
@@ -301,9 +302,19 @@ class DistributedDataParallel(_GradsyncDDP):
         self._forwards += 1
         if self.require_backward_grad_sync:
             m, self._forwards = self._forwards, 0
-            device = self._require_reducer().buckets[0].buffer.device
             self._reported = m
-            self.replica_group.send_with_next(torch.tensor([1, m, m * m], dtype=torch.int64, device=device))
+            self.replica_group.send_with_next(self._report_of(m).clone())
+
+    def _report_of(self, m: int) -> torch.Tensor:
+        """[1, m, m*m] on the model's device, made once per count: a tensor built from a list
+        on a GPU is a copy from the host that waits for the stream, every step."""
+        template = self._report_templates.get(m)
+        if template is None:
+            if len(self._report_templates) > 64:  # counts that keep changing: stay bounded
+                self._report_templates.clear()
+            device = self._require_reducer().buckets[0].buffer.device
+            template = self._report_templates[m] = torch.tensor([1, m, m * m], dtype=torch.int64, device=device)
+        return template
 
     def _check_micro_steps(self) -> None:
         """At the end of each synchronised backward, on every replica alike (the same sums):

@@ -12,15 +12,19 @@ the recovered replica's first committed step) are printed: `pytest -s tests/proc
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
+import logging
 import os
 import re
 import shutil
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -337,3 +341,45 @@ def test_recovery_refuses_a_peer_with_other_buckets():
         load({"layout": [[0, 1, 2, 3, 4, 5]], "iteration": 3})
     load({"layout": ddp.reducer.bucket_indices, "iteration": 7})
     assert ddp.reducer.iteration == 7
+
+
+class _StuckManager:
+    """torchft's Manager where it matters here (its own wrap_future, a 0.5 s timeout), with a
+    process group whose all-reduce never completes: a peer that hangs mid-collective."""
+
+    _timeout = timedelta(seconds=0.5)
+    _logger = logging.getLogger("test_ft")
+
+    def __init__(self) -> None:
+        from torchft.manager import Manager
+
+        self.wrap_future = functools.partial(Manager.wrap_future, self)
+        self.errors: list[Exception] = []
+
+    def report_error(self, error: Exception) -> None:
+        self.errors.append(error)
+
+    def allreduce(self, tensor, reduce_op=None):
+        return SimpleNamespace(_work=SimpleNamespace(get_future=torch.futures.Future))
+
+    def num_participants(self) -> int:
+        return 2
+
+
+@pytest.mark.timeout(30)
+def test_a_collective_that_never_completes_is_waited_for_at_most_the_managers_timeout():
+    # The buckets' and the micro-step report's waits are bounded by the Manager's timeout
+    # (`wrap_future`): the step goes on, the error is the Manager's, should_commit discards it.
+    from gradsync.ft import ReplicaGroup
+
+    manager = _StuckManager()
+    replicas = ReplicaGroup(manager)  # type: ignore[arg-type]
+    report = torch.tensor([1, 2, 4])
+    replicas.send_with_next(report)
+    bucket = replicas.allreduce([torch.ones(4)])
+    start = time.monotonic()
+    bucket.wait()
+    replicas.report_work.wait()
+    assert time.monotonic() - start < 5
+    assert len(manager.errors) == 2 and all(isinstance(e, TimeoutError) for e in manager.errors), manager.errors
+    assert replicas.report_work.result()[0] is report  # this replica's own counts: nothing to compare
