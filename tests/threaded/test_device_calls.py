@@ -3,7 +3,9 @@
 side stream) take the Reducer down its GPU path on a gloo group. A step makes none per
 gradient and a small constant per bucket and per iteration, as torch's C++ reducer (a handful
 of events per iteration); each gradient is timed only on sampled iterations
-(`ReducerConfig.time_gradients_every`). The gradients stay those of the host path.
+(`ReducerConfig.time_gradients_every`). The gradients stay those of the host path. And the
+tensor operations a step adds (each a kernel launch on a GPU) are a few batched ones per
+bucket, where torch's C++ reducer issues two or three per gradient.
 
 (At 3757ea6, before `DeviceCalls`, the GPU path made one event record and two current-stream
 calls per gradient, one query and one elapsed time per gradient per iteration.)
@@ -18,8 +20,9 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from gradsync import EventKind, Reducer, ReducerConfig
+from gradsync import DistributedDataParallel, EventKind, Reducer, ReducerConfig
 from gradsync.engine.device import DeviceCalls
 from gradsync.testing import run_threaded, seeded
 
@@ -179,3 +182,61 @@ def test_the_device_path_on_cpu_gives_the_host_paths_gradients():
     for (_, _, grads), want in zip(device, run_threaded(host, 2, timeout=60)):
         for name in want:
             torch.testing.assert_close(grads[name], want[name], rtol=0, atol=0)
+
+
+class _CountOps(TorchDispatchMode):
+    """Counts the tensor operations dispatched on this thread (each a kernel or more on a GPU),
+    the top-level ones only: a batched `_foreach_copy_` is one, whatever it does inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _wrapper_ops(rank, group, layers, wrapper, options):
+    """The tensor operations one training step's synchronisation adds: the wrapped model's
+    step counted, less the same step of the bare model (forward, backward, nothing else)."""
+    x = torch.full((4, 16), float(rank + 1))
+
+    def counted(model):
+        for _ in range(3):  # past the first iterations (bucket rebuild, views set up)
+            model.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+        with _CountOps() as mode:
+            model(x).pow(2).mean().backward()  # gradients accumulated: no zero_grad in the count
+        return mode.ops
+
+    bare = counted(seeded(lambda: _model(layers), 0))
+    module = seeded(lambda: _model(layers), 0)
+    if wrapper == "torch":
+        wrapped = nn.parallel.DistributedDataParallel(module, process_group=group, **options)
+    else:
+        wrapped = DistributedDataParallel(module, process_group=group, **options)
+    return counted(wrapped) - bare
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}],
+                         ids=["default", "as_view", "find_unused"])
+def test_a_step_issues_no_tensor_operation_per_gradient(options):
+    # One bucket of 16, then 64 small gradients: gradsync issues the same few batched
+    # operations (copy in, all-reduce, scale, copy out), torch's C++ reducer two or three per
+    # gradient (divide into the bucket, view, copy back): on a GPU, kernels the host launches
+    # one by one inside backward. (A gradient of FUSED_COPY_MIN_NUMEL elements or more is
+    # divided while copied, one operation of its own, as torch does: one pass over its memory.)
+    ops = {}
+    for wrapper in ("gradsync", "torch"):
+        for layers in (8, 32):
+            ops[wrapper, layers] = run_threaded(_wrapper_ops, 2, layers, wrapper, options, timeout=60)[0]
+    assert ops["gradsync", 8] == ops["gradsync", 32], ops
+    assert ops["gradsync", 8]["allreduce_"] >= 1, ops  # the counter sees gradsync's collectives
+    assert sum(ops["gradsync", 8].values()) <= 12, ops["gradsync", 8]  # a few per bucket and step
+    if not options.get("gradient_as_bucket_view"):
+        assert ops["gradsync", 8]["_foreach_copy_"] == 2, ops["gradsync", 8]  # in and out, batched
+    # torch's grows with the gradients: the counter sees a C++ reducer's operations too.
+    grown = sum(ops["torch", 32].values()) - sum(ops["torch", 8].values())
+    assert grown >= 2 * (64 - 16), ops

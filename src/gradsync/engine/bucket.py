@@ -306,6 +306,11 @@ class Bucket:
             self.view_grads([keep[j] and (p.grad is None or not _aliases(p.grad, v))
                              for j, (p, v) in enumerate(zip(self.params, self.views))])
             return
+        if keep is _ALL:  # the common case, in one pass of comprehensions (hundreds of tensors)
+            grads = [p.grad for p in self.params]
+            if grads and all(g is not None for g in grads):
+                torch._foreach_copy_(grads, self.views)  # type: ignore[arg-type]
+                return
         targets, sources = [], []
         for j, (param, view) in enumerate(zip(self.params, self.views)):
             if not keep[j]:

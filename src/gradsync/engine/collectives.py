@@ -29,7 +29,8 @@ __all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather
 
 
 def wait(
-    work: dist.Work, what: str | Callable[[], str], group: dist.ProcessGroup, timeout: timedelta
+    work: dist.Work, what: str | Callable[[], str], group: dist.ProcessGroup, timeout: timedelta,
+    host: bool | None = None,
 ) -> None:
     """Every wait gradsync makes: `work.wait(timeout)`, a failure turned into an error that
     says which collective (`what`, or what it returns: built only on failure) and whether it
@@ -37,10 +38,11 @@ def wait(
 
     On a device backend (NCCL) the wait is stream-side and carries no timeout: a timed one
     would hold the host until the GPU is done, and a timed-out one aborts the communicator;
-    the group's own timeout and watchdog bound it instead."""
+    the group's own timeout and watchdog bound it instead. `host`: `host_runs_collectives(group)`,
+    when the caller knows it (asking the group costs microseconds, once a bucket a step)."""
     start = time.monotonic()
     try:
-        if host_runs_collectives(group):
+        if host_runs_collectives(group) if host is None else host:
             work.wait(timeout)
         else:
             work.wait()

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from .bucket import Bucket
 from .collectives import wait
+from .device import host_runs_collectives
 from .errors import ReductionTimeoutError, format_names
 
 __all__ = ["StallMonitor", "Waits"]
@@ -39,6 +40,7 @@ class Waits:
 
     def __init__(self, group: dist.ProcessGroup, names: Sequence[str]) -> None:
         self.group, self.names = group, list(names)
+        self._host = host_runs_collectives(group)
         self.monitor: StallMonitor | None = None
         self.iteration = 0
         self.timeout = timedelta(minutes=30)
@@ -57,7 +59,7 @@ class Waits:
     def __call__(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
         try:  # the message is built only on failure, off the normal path
-            wait(work, lambda: self._describe(what, bucket), self.group, self.timeout)
+            wait(work, lambda: self._describe(what, bucket), self.group, self.timeout, self._host)
         except ReductionTimeoutError as failure:
             raise self._with_pending_report(failure, bucket) from failure.__cause__
 

@@ -15,6 +15,7 @@ in `construction`, the guards on the wrapped module in `module_guards`, checkpoi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -147,8 +148,7 @@ class DistributedDataParallel(ReducerControls, _Base):
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
         self._divergence_every = 0  # see enable_divergence_check
-        self._syncs = 0
-        self._micro_steps = 0  # forwards with grad since the last synchronised one
+        self._forward_counts = _Forwards()
 
     def _choose_parameters(
         self, cap_mb: float | str | None, cap_mb_list: list[float] | None, delay_named: Any,
@@ -285,10 +285,11 @@ class DistributedDataParallel(ReducerControls, _Base):
             output = route_through_sink(output)
         if self._mixed is not None:  # queued first: full precision is back before write-back
             self._mixed.restore_after_backward(output)
-        if sync and self._divergence_every and self._syncs % self._divergence_every == 0:
+        counts = self._forward_counts
+        if sync and self._divergence_every and counts.syncs % self._divergence_every == 0:
             self.check_parameters_in_sync()
-        self._syncs += sync
-        self._micro_steps += grad
+        counts.syncs += sync
+        counts.micro_steps += grad
         if sync and self.reducer is not None:
             if self._auto is not None:
                 self._auto.maybe_plan(self.reducer)
@@ -297,13 +298,15 @@ class DistributedDataParallel(ReducerControls, _Base):
                 output, divisor=self._divisor(active), micro_steps=self._take_micro_steps()
             )
         elif sync:
-            self._micro_steps = 0
-        self.require_forward_param_sync = sync
+            counts.micro_steps = 0
+        if self.require_forward_param_sync is not sync:
+            self.require_forward_param_sync = sync
         return output
 
     def _take_micro_steps(self) -> int:
         """The forwards this synchronisation covers (with grad, since the last one); reset."""
-        steps, self._micro_steps = self._micro_steps, 0
+        counts = self._forward_counts
+        steps, counts.micro_steps = counts.micro_steps, 0
         return steps
 
     def _divisor(self, active_ranks: dist.Work | None) -> int | None:
@@ -332,13 +335,13 @@ class DistributedDataParallel(ReducerControls, _Base):
         its process group is left out). Save it with your checkpoint and hand it to
         `load_gradsync_state` after a restart, after registering the same hook, so the run goes
         on exactly as an uninterrupted one would."""
-        return saved_state(self.reducer, self._auto, self._syncs)
+        return saved_state(self.reducer, self._auto, self._forward_counts.syncs)
 
     def load_gradsync_state(self, state: dict[str, Any]) -> None:
         """Restore what `gradsync_state` saved (call on every rank, before the first forward,
         after `register_comm_hook` if the run used a hook)."""
         restore_layout(state, self.reducer, self._auto)
-        self._syncs = state["syncs"]
+        self._forward_counts.syncs = state["syncs"]
         restore_hook_state(self.reducer, state.get("hook_state"))
 
     def bucket_plan(self) -> BucketPlan | None:
@@ -477,6 +480,17 @@ class DistributedDataParallel(ReducerControls, _Base):
 
 # The forward pre-hook's old name: modules pickled with an earlier gradsync hold it.
 _ForwardWatcher = ForwardWatcher
+
+
+@dataclasses.dataclass(slots=True)
+class _Forwards:
+    """The wrapper's counts of forwards, kept off the module: each `nn.Module.__setattr__`
+    costs about a microsecond, and these change on every forward."""
+
+    syncs: int = 0
+    """Synchronised forwards so far (the divergence check's period, checkpointed)."""
+    micro_steps: int = 0
+    """Forwards with grad since the last synchronised one."""
 
 
 class WrapperRef:
