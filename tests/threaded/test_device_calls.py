@@ -91,14 +91,16 @@ def _bucketed(params: list[torch.Tensor], buckets: int) -> list[list[int]]:
     return [order[i : i + size] for i in range(0, len(order), size)]
 
 
-def _count_steps(rank, group, layers, buckets, steps, every, hook):
+def _count_steps(rank, group, layers, buckets, steps, every, hook, listen=False, history=16):
     model = seeded(lambda: _model(layers), 0)
     params = list(model.parameters())
     calls: DeviceCalls = CountingCalls()
-    config = ReducerConfig(rebuild_bucket_size_limits=None, time_gradients_every=every)
+    config = ReducerConfig(rebuild_bucket_size_limits=None, time_gradients_every=every, history=history)
     reducer = Reducer(params, _bucketed(params, buckets), group, config=config, device_calls=calls)
     if hook:
         reducer.register_comm_hook(None, _averaging_hook(group))
+    if listen:  # someone wants every iteration's timeline as it lands
+        reducer.iteration_listeners.append(lambda _rank, _timeline: None)
     x = torch.full((4, 16), float(rank + 1))
     per_step = []
     for _ in range(steps):
@@ -109,7 +111,9 @@ def _count_steps(rank, group, layers, buckets, steps, every, hook):
         reducer.prepare_for_backward(out)
         out.pow(2).mean().backward()
         per_step.append(calls.counts - before)
-    history = list(reducer.history)
+    before = Counter(calls.counts)
+    history = list(reducer.history)  # reading it resolves what has not been
+    per_step.append(calls.counts - before)  # last: what the read asked of the device
     return per_step, history, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
@@ -122,14 +126,15 @@ def _averaging_hook(group):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("listen", [False, True], ids=["nobody_listening", "listener"])
 @pytest.mark.parametrize("hook", [False, True], ids=["allreduce", "comm_hook"])
-def test_a_step_makes_no_device_call_per_gradient(hook):
+def test_a_step_makes_no_device_call_per_gradient(hook, listen):
     # Same buckets, twice and four times the gradients: the counts per step do not change.
     counts = {}
     for layers in (8, 16, 32):
-        results = run_threaded(_count_steps, 2, layers, 4, 6, 64, hook, timeout=60)
-        per_step = results[0][0]
-        steady = per_step[2:]  # after the first iterations' extra resolution work
+        results = run_threaded(_count_steps, 2, layers, 4, 6, 64, hook, listen, timeout=60)
+        per_step, history, _ = results[0]
+        steady = per_step[2:-1]  # after the first iterations' extra resolution work
         assert all(s == steady[0] for s in steady), steady
         counts[layers] = steady[0]
     assert counts[8] == counts[16] == counts[32], counts
@@ -140,10 +145,18 @@ def test_a_step_makes_no_device_call_per_gradient(hook):
     assert step["event"] == step["record"] == 4 + 3 * buckets, step
     assert step["current_stream"] == 1 + buckets, step
     assert step["side_stream"] == buckets, step
-    # The previous iteration resolved at this one's start: its end and completions queried,
-    # each timed reading's elapsed time taken once, nothing waited for.
-    assert step["query"] == 1 + buckets and step["synchronize"] == 0, step
-    assert step["elapsed_time"] == 4 + 3 * buckets, step
+    if listen:
+        # The previous iteration resolved at this one's start: its end and completions
+        # queried, each timed reading's elapsed time taken once, nothing waited for.
+        assert step["query"] == 1 + buckets and step["synchronize"] == 0, step
+        assert step["elapsed_time"] == 4 + 3 * buckets, step
+    else:
+        # Nobody looking: nothing asked of the events (torch's reducer reads its events on
+        # sampled iterations only); reading the history resolves the 6 iterations then.
+        assert step["query"] == step["synchronize"] == step["elapsed_time"] == 0, step
+        read = per_step[-1]
+        assert read["elapsed_time"] == 6 * (4 + 3 * buckets) and read["synchronize"] == 0, read
+        assert [t.iteration for t in history] == list(range(1, 7))
     assert step["wait_stream"] == 0, step  # one stream: nothing to order
     assert step["on_stream"] == (buckets if hook else 0), step
 
@@ -153,7 +166,7 @@ def test_sampled_iterations_time_each_gradient_and_others_take_their_buckets_tim
     results = run_threaded(_count_steps, 2, 8, 4, 6, 3, False, timeout=60)
     per_step, history, _ = results[0]
     params = 16
-    for iteration, step in enumerate(per_step, start=1):
+    for iteration, step in enumerate(per_step[:-1], start=1):  # the last: the history read
         timed = iteration % 3 == 0
         assert step["record"] == 4 + 3 * 4 + (params if timed else 0), (iteration, step)
     for timeline in history:
@@ -240,3 +253,20 @@ def test_a_step_issues_no_tensor_operation_per_gradient(options):
     # torch's grows with the gradients: the counter sees a C++ reducer's operations too.
     grown = sum(ops["torch", 32].values()) - sum(ops["torch", 8].values())
     assert grown >= 2 * (64 - 16), ops
+
+
+@pytest.mark.timeout(120)
+def test_unread_device_timelines_past_the_history_are_dropped_unasked():
+    # 12 steps, history 4, nobody listening: the events of the 8 oldest iterations are never
+    # asked about and not kept; reading the history resolves the last 4.
+    def body(rank, group):
+        per_step, history, _ = _count_steps(rank, group, 8, 4, 12, 64, False, history=4)
+        return per_step, history
+
+    for per_step, history in run_threaded(body, 2, timeout=60):
+        assert all(step["query"] == step["elapsed_time"] == 0 for step in per_step[:-1]), per_step
+        assert [t.iteration for t in history] == [9, 10, 11, 12]
+        assert per_step[-1]["elapsed_time"] == 4 * (4 + 3 * 4), per_step[-1]
+        for timeline in history:
+            assert timeline.start_ns <= timeline.backward_end_ns <= timeline.finish_ns
+            assert timeline.start_ns > 0 and all(t > 0 for t, _, _ in timeline.events)

@@ -313,3 +313,24 @@ def test_device_timed_timelines_are_published_once_landed_and_read_in_device_tim
             assert all(0 <= launched[b] <= completed[b] for b in launched)
             assert timeline.start_ns <= timeline.backward_end_ns <= timeline.finish_ns
             assert timeline.start_ns > 10**6  # nanoseconds on the host clock's scale, not tokens
+
+
+def test_device_timelines_nobody_reads_keep_only_the_historys_events():
+    def body(rank, group):
+        model = seeded(MODELS["many_small"], 0)
+        params = list(model.parameters())
+        clock = _event_clock()
+        config = ReducerConfig(clock=clock, rebuild_bucket_size_limits=None, history=3)
+        reducer = Reducer(params, [[i] for i in reversed(range(len(params)))], group, config=config)
+        kept = []
+        for _ in range(30):
+            out = model(torch.ones(2, 8))
+            reducer.prepare_for_backward(out)
+            out.sum().backward()
+            kept.append(len(clock._events))
+        return kept, len(reducer._unresolved), [t.iteration for t in reducer.history]
+
+    _FakeEvent.landed = True
+    for kept, unresolved, history in run_threaded(body, 2, timeout=60):
+        assert unresolved == 3 and history == [28, 29, 30]
+        assert kept[-1] == kept[10] == max(kept[5:]), kept  # bounded: the last 3 iterations' and the anchor

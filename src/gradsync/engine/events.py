@@ -79,9 +79,13 @@ class EventClock:
         return anchor_ns + round(anchor.elapsed_time(event) * 1e6)
 
     def forget_through(self, token: int) -> None:
-        """Drop readings up to `token` (resolved), keeping the anchor."""
-        for t in [t for t in self._events if t <= token]:
-            if self._anchor is None or self._events[t] is not self._anchor[0]:
+        """Drop readings up to `token` (resolved, or never to be), keeping the anchor. The
+        readings are kept in the order taken, so this looks no further than `token`."""
+        anchor = self._anchor[0] if self._anchor is not None else None
+        for t in list(self._events):
+            if t > token:
+                break
+            if self._events[t] is not anchor:
                 del self._events[t]
 
 

@@ -14,7 +14,7 @@ import warnings
 from ..engine.timeline import IterationTimeline
 from .stats import IterationStats
 
-__all__ = ["configure_from_env", "detail_enabled", "log", "log_iteration"]
+__all__ = ["IterationLog", "configure_from_env", "detail_enabled", "log"]
 
 log = logging.getLogger("gradsync")
 log.addHandler(logging.NullHandler())
@@ -47,7 +47,15 @@ def detail_enabled() -> bool:
     return log.isEnabledFor(logging.DEBUG)
 
 
-def log_iteration(rank: int, timeline: IterationTimeline) -> None:
-    """A Reducer iteration listener: one line of stats per iteration at GRADSYNC_DEBUG=DETAIL."""
-    if detail_enabled():
-        log.debug("rank %d: %s", rank, IterationStats.from_timeline(timeline))
+class IterationLog:
+    """A Reducer iteration listener: one line of stats per iteration at GRADSYNC_DEBUG=DETAIL.
+    `wanted` says when: on a GPU a timeline is resolved (its events asked) only for a listener
+    that wants it."""
+
+    def wanted(self) -> bool:
+        return detail_enabled()
+
+    def __call__(self, rank: int, timeline: IterationTimeline) -> None:
+        if detail_enabled():
+            log.debug("rank %d: %s", rank, IterationStats.from_timeline(timeline))
+

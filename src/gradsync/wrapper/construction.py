@@ -17,7 +17,7 @@ from torch import nn
 from ..engine.bucketing import compute_bucket_assignment_by_size as assign_buckets
 from ..engine.collectives import all_gather_objects, broadcast_tensors
 from ..engine.config import ReducerConfig
-from ..observability.log import log_iteration
+from ..observability.log import IterationLog
 from .arguments import expects_sparse_gradient, ignored
 from .mixed import MixedPrecisionParams
 from .torch_compat import TorchNamedReducer
@@ -112,7 +112,7 @@ def build_reducer(
         config=config,
         expect_sparse_gradient=sparse,
     )
-    reducer.iteration_listeners.append(log_iteration)
+    reducer.iteration_listeners.append(IterationLog())
     return reducer
 
 
