@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -75,27 +76,31 @@ class Reports:
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
         self.rank, self.world_size = group.rank(), group.size()
-        self._templates: dict[tuple[int, bool], torch.Tensor] = {}
+        self._templates: dict[tuple[Any, ...], torch.Tensor] = {}
         self._pending: tuple[torch.Tensor, dist.Work | None] | None = None
+
+    def _template(self, like: torch.Tensor, micro_steps: int, missing: bool) -> torch.Tensor:
+        """This rank's report shaped, typed and placed as `like`, made once per count: one
+        copy a step instead of a fill and a write (kernels, on a GPU)."""
+        key = (micro_steps, missing, like.dtype, like.device, like.numel())
+        template = self._templates.get(key)
+        if template is None:
+            if len(self._templates) > 64:  # counts that keep changing: stay bounded
+                self._templates.clear()
+            template = self._templates[key] = encode(torch.empty_like(like), self.rank, micro_steps, missing)
+        return template
 
     def attach(self, tail: torch.Tensor, micro_steps: int, missing: bool) -> None:
         """Write the report into the last bucket's tail: it rides in that bucket's all-reduce."""
-        key = (micro_steps, missing)
-        template = self._templates.get(key)
-        if template is None or template.dtype != tail.dtype or template.device != tail.device:
-            if len(self._templates) > 64:  # counts that keep changing: stay bounded
-                self._templates.clear()
-            template = encode(torch.empty_like(tail), self.rank, micro_steps, missing)
-            self._templates[key] = template
-        tail.copy_(template)
+        tail.copy_(self._template(tail, micro_steps, missing))
         self._pending = (tail, None)  # waited for with the bucket itself
 
     def start(self, device: torch.device, micro_steps: int, missing: bool) -> None:
         """All-reduce the reports on their own (after every bucket, on every rank)."""
         if self.world_size == 1:
             return
-        reports = encode(torch.empty(self.world_size, dtype=torch.int64, device=device),
-                         self.rank, micro_steps, missing)
+        reports = torch.empty(self.world_size, dtype=torch.int64, device=device)
+        reports.copy_(self._template(reports, micro_steps, missing))
         self._pending = (reports, self.group.allreduce([reports]))
 
     def finish(self, wait: Callable[[dist.Work, str], None], micro_steps: int) -> list[RankReport] | None:
