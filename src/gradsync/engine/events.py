@@ -46,9 +46,13 @@ class EventClock:
         self._tokens = itertools.count(1)  # next() is atomic: hooks and comm threads both read
         self._events: dict[int, Any] = {}
         self._anchor: tuple[Any, int] | None = None  # (event, host ns when it was recorded)
+        self._free: list[Any] = []  # events forgotten, recorded again rather than made anew
 
     def __call__(self) -> int:
-        event = self._new_event()
+        try:
+            event = self._free.pop()  # hooks and comm threads both read: no check-then-pop
+        except IndexError:
+            event = self._new_event()
         event.record()
         token = next(self._tokens)
         self._events[token] = event
@@ -79,14 +83,16 @@ class EventClock:
         return anchor_ns + round(anchor.elapsed_time(event) * 1e6)
 
     def forget_through(self, token: int) -> None:
-        """Drop readings up to `token` (resolved, or never to be), keeping the anchor. The
-        readings are kept in the order taken, so this looks no further than `token`."""
+        """Drop readings up to `token` (resolved, or never to be), keeping the anchor; their
+        events are recorded again by later readings (a CUDA event is made and destroyed by
+        the driver: a few microseconds of host time each, a dozen a step). The readings are
+        kept in the order taken, so this looks no further than `token`."""
         anchor = self._anchor[0] if self._anchor is not None else None
         for t in list(self._events):
             if t > token:
                 break
             if self._events[t] is not anchor:
-                del self._events[t]
+                self._free.append(self._events.pop(t))  # nothing refers to it any more
 
 
 def resolve_timeline(timeline: IterationTimeline, clock: EventClock, landed: bool = False) -> IterationTimeline:
