@@ -25,6 +25,8 @@ from gradsync.engine.collectives import (
 from gradsync.engine.device import HostRead, host_runs_collectives, object_device
 from gradsync.engine.errors import GradSyncError
 from gradsync.engine.events import EventClock
+from gradsync.engine.history import Timelines
+from gradsync.engine.timeline import IterationTimeline
 from gradsync.testing import run_threaded, seeded
 
 
@@ -334,3 +336,31 @@ def test_device_timelines_nobody_reads_keep_only_the_historys_events():
     for kept, unresolved, history in run_threaded(body, 2, timeout=60):
         assert unresolved == 3 and history == [28, 29, 30]
         assert kept[-1] == kept[10] == max(kept[5:]), kept  # bounded: the last 3 iterations' and the anchor
+
+
+def test_an_unread_timeline_dropped_leaves_the_next_iterations_readings_and_a_late_completion():
+    # Iteration 2 has begun when iteration 1's completion is read (from a comm thread, late):
+    # dropping 1 unread must keep 2's readings and the late one, and reuse 1's events.
+    _FakeEvent.landed = True
+    clock = _event_clock()
+    timelines = Timelines(keep=1, rank=0, device_clock=clock)
+
+    def iteration(number: int) -> IterationTimeline:
+        start, ready, end, finish = clock(), clock(), clock(), clock()
+        return IterationTimeline(number, start, [[0]], [4], [(ready, EventKind.BUCKET_READY, 0)],
+                                 backward_end_ns=end, finish_ns=finish)
+
+    first = iteration(1)
+    timelines.add(first, device_timed=True)
+    second = iteration(2)
+    first.events.append((clock(), EventKind.COMPLETE, 0))  # read after 2's readings
+    second.events.append((clock(), EventKind.COMPLETE, 0))
+    made = len(clock._events) + len(clock._free)
+    timelines.add(second, device_timed=True)  # keep=1: the first goes, unread
+    assert [t.iteration for t in timelines.unresolved] == [2]
+    assert clock._free, "the dropped iteration's events are kept for reuse"
+    (kept,) = timelines.recent
+    assert kept.iteration == 2 and kept.start_ns <= kept.backward_end_ns <= kept.finish_ns
+    assert all(t >= kept.start_ns > 0 for t, _, _ in kept.events), kept.events
+    clock()  # a new reading takes a freed event rather than a new one
+    assert len(clock._events) + len(clock._free) == made

@@ -21,7 +21,7 @@ from typing import Any
 from .device import CudaCalls, DeviceCalls
 from .timeline import UNTIMED, EventKind, IterationTimeline
 
-__all__ = ["EventClock", "last_tokens", "resolve_timeline"]
+__all__ = ["EventClock", "final_reading", "last_tokens", "resolve_timeline"]
 
 
 class EventClock:
@@ -100,7 +100,7 @@ def resolve_timeline(timeline: IterationTimeline, clock: EventClock, landed: boo
     `UNTIMED` reading (a gradient on an iteration not sampled) takes the next timed reading
     after it on the compute stream (a bucket's ready or launch), the end of backward if none: when it was ready at the latest. `landed`: the
     caller has seen the iteration's last events pass (nothing to ask or wait for)."""
-    last = max([timeline.finish_ns, timeline.backward_end_ns, timeline.start_ns])
+    last = final_reading(timeline)
     timeline.start_ns = clock.ns(timeline.start_ns, landed)
     timeline.forward_start_ns = clock.ns(timeline.forward_start_ns, landed)
     timeline.backward_end_ns = clock.ns(timeline.backward_end_ns, landed)
@@ -118,6 +118,13 @@ def resolve_timeline(timeline: IterationTimeline, clock: EventClock, landed: boo
     timeline.events[:] = resolved
     clock.forget_through(last)
     return timeline
+
+
+def final_reading(timeline: IterationTimeline) -> int:
+    """The iteration's last reading on the compute stream: every reading up to it is this
+    iteration's or an earlier one's (a completion can be read later, from a comm thread)."""
+    return max(timeline.finish_ns, timeline.backward_end_ns, timeline.start_ns)
+
 
 def last_tokens(timeline: IterationTimeline) -> list[int]:
     """The readings whose passing means the whole iteration has (its end, its completions)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 
-from .events import EventClock, last_tokens, resolve_timeline
+from .events import EventClock, final_reading, last_tokens, resolve_timeline
 from .timeline import IterationTimeline
 
 __all__ = ["Timelines"]
@@ -46,7 +46,7 @@ class Timelines:
             # Older than the last `keep`: `recent` would drop it unread. Its events go unasked.
             dropped = self.unresolved.popleft()
             assert self.device_clock is not None, "device-timed without a device clock"
-            self.device_clock.forget_through(max(last_tokens(dropped)))
+            self.device_clock.forget_through(final_reading(dropped))
 
     def publish_landed(self) -> None:
         """Publish, oldest first, the device-timed timelines whose events have all passed,

@@ -58,4 +58,3 @@ class IterationLog:
     def __call__(self, rank: int, timeline: IterationTimeline) -> None:
         if detail_enabled():
             log.debug("rank %d: %s", rank, IterationStats.from_timeline(timeline))
-
