@@ -3,9 +3,10 @@ size 1, the device bench's models at their tiny shapes on CPU (microsecond kerne
 what each wrapper costs the host is most of what differs. A stand-in for a GPU step that is
 host-bound; a GPU itself is measured by `gradsync bench --device cuda`.
 
-In one process, variants interleaved round by round (order reversed every other round), one
-thread, each round `--steps` steps; prints the median wall and thread-CPU time per step and the
-median of the paired ratios to torch's DDP, with torch's DDP again as the A/A pair.
+In one process, variants interleaved round by round (`gradsync.tools.bench.interleave`: the
+order rotates, the first round is warm-up), one thread, each round `--steps` steps; prints the
+median wall and thread-CPU time per step and the median of the paired ratios to torch's DDP,
+with torch's DDP again as the A/A pair.
 
     python benchmarks/host_time.py --model gpt2_small           # this tree
     python benchmarks/host_time.py --model gpt2_small --against /path/to/other/src --runs 4
@@ -19,10 +20,10 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 VARIANTS = ("torch DDP", "gradsync", "torch DDP (again)")
@@ -33,6 +34,7 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, float, fl
     import torch
     import torch.distributed as dist
 
+    from gradsync.tools.bench import Comparison, interleave
     from gradsync.tools.devicebench import _training_step, _wrap, builtin_workload
 
     torch.set_num_threads(1)
@@ -40,33 +42,30 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, float, fl
     os.environ.setdefault("MASTER_PORT", str(29500 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
     work = builtin_workload(args.model, 0, True, "inductor")
-    steps = {}
-    for name in VARIANTS:
+    cpu = Comparison(VARIANTS)
+
+    def variant(name: str) -> Callable[[], float]:
         model = copy.deepcopy(work.model)
         wrapped = _wrap(name, model, torch.device("cpu"), None)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
         step = _training_step(work, wrapped, opt, torch.device("cpu"))
         for _ in range(5):
             step()
-        steps[name] = step
-    wall: dict[str, list[float]] = {n: [] for n in steps}
-    cpu: dict[str, list[float]] = {n: [] for n in steps}
-    for r in range(args.rounds):
-        for name in list(steps) if r % 2 == 0 else list(reversed(steps)):
+
+        def run() -> float:  # wall ms per step; the thread's CPU ms on the side
             t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(args.steps):
-                steps[name]()
-            cpu[name].append((time.thread_time() - c0) / args.steps * 1e3)
-            wall[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+                step()
+            cpu.add(name, (time.thread_time() - c0) / args.steps * 1e3)
+            return (time.perf_counter() - t0) / args.steps * 1e3
+
+        return run
+
+    wall = interleave({name: variant(name) for name in VARIANTS}, args.rounds)
     dist.destroy_process_group()
     base = VARIANTS[0]
-    return {
-        n: (statistics.median(wall[n]), statistics.median(cpu[n]),
-            statistics.median([a / b for a, b in zip(wall[n], wall[base])]),
-            statistics.median([a / b for a, b in zip(cpu[n], cpu[base])]))
-        for n in steps
-    }
-
+    return {n: (wall.median(n), cpu.median(n), wall.paired_ratio(n, base), cpu.paired_ratio(n, base))
+            for n in VARIANTS}
 
 def alternate(args: argparse.Namespace) -> None:
     """This tree and `--against`, in alternating processes: gradsync / torch's DDP, and A/A."""
