@@ -40,24 +40,31 @@ def find_tensors(obj: object) -> list[torch.Tensor]:
 
 
 def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
-    """`id()` of every leaf tensor whose gradient accumulator the outputs' graph reaches."""
+    """`id()` of every leaf tensor whose gradient accumulator the outputs' graph reaches.
+
+    Run every forward with the search on, over every node of the graph: the loop is kept to
+    what each node needs (its next functions; an accumulator, which has none, its leaf)."""
     reached: set[int] = set()
-    seen: set[object] = set()
     stack = []
     for out in outputs:
         if out.grad_fn is not None:
             stack.append(out.grad_fn)
         elif out.requires_grad:  # a leaf returned as is: it gets a gradient directly
             reached.add(id(out))
+    seen: set[object] = {None, *stack}  # None: an input that needs no gradient
+    push, see = stack.append, seen.add
     while stack:
         fn = stack.pop()
-        variable = getattr(fn, "variable", None)  # AccumulateGrad nodes hold their leaf
-        if variable is not None:
-            reached.add(id(variable))
-        for next_fn, _ in fn.next_functions:
-            if next_fn is not None and next_fn not in seen:
-                seen.add(next_fn)
-                stack.append(next_fn)
+        next_functions = fn.next_functions
+        if not next_functions:  # AccumulateGrad nodes hold their leaf
+            variable = getattr(fn, "variable", None)
+            if variable is not None:
+                reached.add(id(variable))
+            continue
+        for next_fn, _ in next_functions:
+            if next_fn not in seen:
+                see(next_fn)
+                push(next_fn)
     return reached
 
 
