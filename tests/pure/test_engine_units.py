@@ -205,3 +205,20 @@ def test_bucket_views_take_the_parameters_strides_wherever_its_memory_is_dense()
         assert view.stride() == (param.stride() if param is not gaps else (3, 1)), param.stride()
         # Memory order is the buffer's order: its slice, nothing before or after.
         assert sorted(view.flatten().tolist()) == list(range(17, 17 + param.numel()))
+
+
+def test_the_unused_search_reaches_exactly_the_leaves_behind_the_outputs():
+    # A shared subgraph (reached twice), a leaf returned as is, a parameter used only in an
+    # output left out of the search, one not used at all, one behind a detached branch.
+    from gradsync.engine.unused import reachable_parameters
+
+    shared, head, returned, elsewhere, unused, detached = _params(3, 3, 3, 3, 3, 3)
+    for p in (shared, head, returned, elsewhere, unused, detached):
+        p.data.uniform_()
+    trunk = shared.exp()
+    outputs = [(trunk * head).sum() + trunk.sum() + (detached * 2).detach().sum(), returned]
+    other = (elsewhere * 3).sum()
+    reached = reachable_parameters(outputs)
+    assert reached == {id(shared), id(head), id(returned)}
+    assert reachable_parameters([other]) == {id(elsewhere)}
+    assert reachable_parameters([torch.zeros(2)]) == set()  # nothing needing a gradient
