@@ -58,8 +58,11 @@ class Finisher:
         self.check_reports(it)  # raises before any gradient is written back
         if s.static is not None:  # the first iteration's used map holds for good
             used = s.static.settle_used_map(used)
+        # Used on some rank, every one (the common case): written back as without a map, in one
+        # batch per bucket rather than parameter by parameter.
+        keep = None if used is None or all(used) else used
         for bucket in buckets:
-            bucket.write_back(used, s.config.gradient_as_bucket_view)
+            bucket.write_back(keep, s.config.gradient_as_bucket_view)
         return used
 
     def _write_back_as_landed(self, it: Iteration) -> None:

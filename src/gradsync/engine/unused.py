@@ -45,7 +45,7 @@ def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
     Run every forward with the search on, over every node of the graph: the loop is kept to
     what each node needs (its next functions; an accumulator, which has none, its leaf)."""
     reached: set[int] = set()
-    stack = []
+    stack: list[Any] = []  # autograd nodes
     for out in outputs:
         if out.grad_fn is not None:
             stack.append(out.grad_fn)
