@@ -50,13 +50,7 @@ def child(variant: str, model: str, steps: int) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     work = bench.builtin_workload(model, 0, True, "inductor")
     net = copy.deepcopy(work.model)
-    if variant.startswith("gradsync"):  # as `gradsync bench` makes its variants, from the tree measured
-        wrapped = gradsync.DistributedDataParallel(net, gradient_as_bucket_view="as_view" in variant,
-                                                   find_unused_parameters="find_unused" in variant)
-        if "no events" in variant:
-            wrapped.reducer.configure(record_events=False)
-    else:
-        wrapped = bench._wrap(variant, net, torch.device("cpu"), None)
+    wrapped = bench._wrap(variant, net, torch.device("cpu"), None, gradsync_ddp=gradsync.DistributedDataParallel)
     step = bench._training_step(work, wrapped, torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False),
                                 torch.device("cpu"))
     for _ in range(8):  # past the one-time rebuild and the first iterations' bookkeeping

@@ -216,7 +216,10 @@ def _call(model: Callable[..., Any], batch: Any) -> Any:
     return model(batch)
 
 
-def _wrap(name: str, model: nn.Module, device: torch.device, group: dist.ProcessGroup | None) -> nn.Module:
+def _wrap(name: str, model: nn.Module, device: torch.device, group: dist.ProcessGroup | None,
+          gradsync_ddp: Callable[..., Any] = DistributedDataParallel) -> nn.Module:
+    """Variant `name` of `model`; `gradsync_ddp`: the gradsync class to wrap with (another
+    tree's, when a benchmark compares trees on this one's models)."""
     if name == "no DDP":
         return model
     device_ids: list[int | torch.device] | None = [device] if device.type == "cuda" else None
@@ -225,8 +228,8 @@ def _wrap(name: str, model: nn.Module, device: torch.device, group: dist.Process
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=group,
                                                    find_unused_parameters=unused)
     if name.startswith("gradsync"):
-        ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group, find_unused_parameters=unused,
-                                      gradient_as_bucket_view="as_view" in name)
+        ddp = gradsync_ddp(model, device_ids=device_ids, process_group=group, find_unused_parameters=unused,
+                           gradient_as_bucket_view="as_view" in name)
         if "no events" in name and ddp.reducer is not None:
             ddp.reducer.configure(record_events=False)
         return ddp
