@@ -29,8 +29,8 @@ def format_names(names: Sequence[str], limit: int = 20) -> str:
 
 
 _TWICE_CAUSES = {
-    "unused": "It was marked unused when forward returned (it is not reachable from the "
-    "outputs), and then received a gradient anyway: it was used outside forward's outputs.",
+    "unused": "It was marked unused (it is not reachable from forward's outputs), and then "
+    "received a gradient anyway: it was used outside forward's outputs.",
     "repeat": "Its gradient hook fired twice in one backward pass.",
     "late": "Its gradient arrived after this iteration's gradients had already been reduced, "
     "so it would have been left out of the average.",

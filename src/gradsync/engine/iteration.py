@@ -35,6 +35,11 @@ class Iteration:
     """Parameters marked ready up front: unreachable from the outputs, or never fired."""
     unused_pending: bool = False
     """The unused parameters are still to be marked (at the first hook, as torch does)."""
+    search: Callable[[], object] | None = None
+    """The unused-parameter search, waiting for backward: a weak reference to the node every
+    output comes from (`prepare.answer_in_backward`); None once answered for good, or walked."""
+    answered: bool = False
+    """The search was answered by the backward now running (the outputs' node's prehook)."""
     chain: Any = None
     """The communication hook's `HookChain`, if a hook is registered."""
     ride: bool = False

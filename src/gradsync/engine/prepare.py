@@ -3,7 +3,9 @@ forward returned, the parameters to mark ready up front, and how its gradients a
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -11,9 +13,11 @@ from .bucket_set import BucketSet
 from .iteration import Iteration
 from .settings import Settings
 from .timeline import DiscardedEvents, IterationTimeline, untimed
-from .unused import reachable_parameters
+from .unused import Accumulators, reachable_from, reachable_parameters
 
-__all__ = ["new_iteration", "unused_up_front", "watch_backward_start"]
+__all__ = [
+    "answer_in_backward", "held_accumulators", "new_iteration", "settle_search", "start_search", "watch_backward_start",
+]
 
 
 def new_iteration(s: Settings, buckets: BucketSet, number: int, divisor: int, micro_steps: int,
@@ -53,15 +57,76 @@ def gradient_clock(s: Settings, number: int) -> Callable[[], int]:
     return untimed
 
 
-def unused_up_front(s: Settings, params: Sequence[torch.Tensor], outputs: list[torch.Tensor]) -> list[int]:
-    """Parameters to mark ready at the first hook: unreachable from `outputs` (unused-parameter
-    search), or, with a static graph once learned, never fired."""
+def start_search(it: Iteration, s: Settings, params: Sequence[torch.Tensor], outputs: list[torch.Tensor],
+                 accumulators: Accumulators | None) -> None:
+    """`it.unused`, the parameters to mark ready at the first hook: unreachable from `outputs`
+    (unused-parameter search), or, with a static graph once learned, never fired. Or the search
+    left for backward (`answer_in_backward`): `it.search`, a weak reference to the one node
+    every output comes from."""
     unused: list[int] = []
+    search = None
     if s.find_unused:
-        reached = reachable_parameters(outputs)
-        unused = [i for i, p in enumerate(params) if id(p) not in reached]
+        search = _deferrable(outputs) if accumulators is not None else None
+        if search is None:
+            reached = reachable_parameters(outputs)
+            unused = [i for i, p in enumerate(params) if id(p) not in reached]
     if s.static is not None:
         s.static.start_iteration()
         if s.static.learned:
-            unused = list(s.static.unused)
-    return unused
+            unused, search = list(s.static.unused), None
+    it.unused, it.search, it.unused_pending = unused, search, bool(unused) or search is not None
+
+
+def held_accumulators(s: Settings, params: Sequence[torch.Tensor]) -> Accumulators | None:
+    """The parameters' accumulators, held for the search to ask the engine about (None: the
+    search walks). Not with parameters cast each forward (`bucket_dtype`: mixed precision),
+    which get new accumulators each time."""
+    return Accumulators(params) if s.find_unused and s.config.bucket_dtype is None else None
+
+
+def settle_search(it: Iteration, accumulators: Accumulators | None, params: Sequence[torch.Tensor],
+                  first: int | None) -> list[int]:
+    """At the iteration's first gradient (`first`, its index): the parameters to mark unused
+    now, the search's answer for good (asked now if backward has not reached the outputs'
+    node yet)."""
+    if it.search is not None:
+        if not it.answered:
+            it.unused = answer_in_backward(accumulators, params, it.search, first)
+        it.search = None
+    it.unused_pending = False
+    return it.unused
+
+
+def _deferrable(outputs: list[torch.Tensor]) -> Callable[[], object] | None:
+    """A weak reference to the node every output comes from (the wrapper's output sink), or
+    None where the search must walk now: outputs from several nodes, a leaf among them, or a
+    node that cannot be held weakly (holding it strongly would keep a graph never
+    backpropagated alive)."""
+    nodes = {t.grad_fn for t in outputs}
+    if len(nodes) != 1:
+        return None
+    node = nodes.pop()
+    if not isinstance(node, torch._C._FunctionBase):  # None (a leaf), or a C++ node
+        return None
+    return weakref.ref(node)
+
+
+def answer_in_backward(accumulators: Accumulators | None, params: Sequence[torch.Tensor],
+                       search: Callable[[], Any], first: int | None) -> list[int]:
+    """The search left for backward, answered there: in the outputs' node's prehook (`first` is
+    None), or at a gradient that came before backward reached that node (`first`, its index).
+
+    The engine's answer is the walk's whenever backward runs through the outputs' node: all it
+    reaches from there, the engine runs (what it runs besides are parameters used outside
+    forward, which torch's DDP rejects). A gradient that came first, while that node is still to
+    run, is one of those: torch's DDP marks it unused, then ready, and raises; so does the
+    Reducer, given it as unused. A backward that does not run through the node gets the walk's
+    answer, or, the node gone with its graph, the engine's."""
+    assert accumulators is not None, "a search waits for backward only with accumulators held"
+    node = search() if first is not None else None
+    if first is None or node is None:
+        return accumulators.unused()
+    if torch._C._will_engine_execute_node(node):
+        return [first]
+    reached = reachable_from([node])
+    return [i for i, p in enumerate(params) if id(p) not in reached]

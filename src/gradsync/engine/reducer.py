@@ -48,7 +48,14 @@ from .history import Timelines
 from .iteration import Iteration
 from .launch import Launcher
 from .pool import BufferPool
-from .prepare import new_iteration, unused_up_front, watch_backward_start
+from .prepare import (
+    answer_in_backward,
+    held_accumulators,
+    new_iteration,
+    settle_search,
+    start_search,
+    watch_backward_start,
+)
 from .profiling import profiled as _profiled
 from .report_checks import ReportChecks
 from .settings import Settings, changed_config
@@ -114,6 +121,7 @@ class Reducer:
         self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # `register_finish_hook`
         self.phase = Phase.IDLE
         self._it = Iteration.idle(0, len(self.params), self.world_size)
+        self._accumulators = held_accumulators(self._s, self.params)
         _attach_hooks(self)
 
     @property
@@ -219,10 +227,9 @@ class Reducer:
         if self._waits.monitor is not None:
             self._waits.monitor.mark_progress(self.iteration)
         tensors = find_tensors(outputs) if outputs is not None else []
-        unused = unused_up_front(self._s, self.params, tensors)
         it = self._it = new_iteration(self._s, self._set, self.iteration, divisor or self.world_size, micro_steps,
                                       self._forward_start_ns, self._needs_rebuild)
-        it.unused, it.unused_pending = unused, bool(unused)
+        start_search(it, self._s, self.params, tensors, self._accumulators)
         it.chain = self._launcher.new_chain(it)
         it.ride = self._finisher.reports_ride_along()
         watch_backward_start(it, tensors, functools.partial(_on_backward_start, weakref.ref(self), it))
@@ -288,21 +295,20 @@ class Reducer:
             if static.learning:
                 static_graph.learning_fire(static, it, self._used, index, param, self._queue_end_of_backward)
             return
+        if it.unused_pending:  # first, as torch: a parameter it marks unused cannot fire
+            self._mark_unused(it, index)
         if it.marked[index]:
             cause = "unused" if index in it.unused else "repeat"
             raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
-        if it.unused_pending:
-            self._mark_unused(it)
         self._mark(it, index, EventKind.READY)
         chain = it.chain
         if chain is not None and chain.waiting:  # a bucket whose predecessor has completed since
             chain.pump()
 
-    def _mark_unused(self, it: Iteration) -> None:
+    def _mark_unused(self, it: Iteration, first: int | None = None) -> None:
         # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
         # never followed by backward then leaves no half-done iteration behind.
-        it.unused_pending = False
-        for unused in it.unused:
+        for unused in settle_search(it, self._accumulators, self.params, first):
             self._mark(it, unused, EventKind.UNUSED)
 
     def _mark(self, it: Iteration, index: int, kind: int) -> None:
@@ -337,7 +343,7 @@ class Reducer:
         if it is not self._it:
             return  # an iteration since abandoned
         if self.phase is Phase.PREPARED:
-            it.end_queued = False  # no gradient of ours came (torch.autograd.grad): re-arm
+            it.end_queued = it.answered = False  # no gradient of ours came (torch.autograd.grad): re-arm
             return
         if self.phase is not Phase.BACKWARD and self.phase is not Phase.LAUNCHED:
             return  # finished already
@@ -518,11 +524,14 @@ class _Parts:
 
 
 def _on_backward_start(reducer: weakref.ref[Reducer], it: Iteration, _grads: object) -> None:
-    """Prehook of forward's output nodes: queue the end of this iteration's backward."""
+    """Prehook of forward's output nodes: queue the end of this iteration's backward, and answer
+    the unused-parameter search if it waits for backward (before any gradient of this one)."""
     live = reducer()
-    if live is not None and live._it is it and not it.end_queued and live.phase in (
-        Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED
-    ):
+    if live is None or live._it is not it:
+        return
+    if it.search is not None and live.phase is Phase.PREPARED:
+        it.unused, it.answered = answer_in_backward(live._accumulators, live.params, it.search, None), True
+    if not it.end_queued and live.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED):
         live._queue_end_of_backward(it)
 
 

@@ -1,19 +1,24 @@
-"""Which parameters can receive a gradient from these outputs: a walk of the autograd graph.
+"""Which parameters can receive a gradient from these outputs: the unused-parameter search.
 
 A parameter whose gradient accumulator is not reachable from the forward outputs will never fire
-its hook, so the Reducer marks it ready up front; otherwise its bucket would wait forever.
+its hook, so the Reducer marks it ready up front; otherwise its bucket would wait forever. Two
+ways to find them: a walk of the autograd graph from the outputs, in Python, at the end of
+forward (`reachable_parameters`); or, from inside backward, the autograd engine's own answer
+for each parameter's accumulator (`Accumulators`), which the engine worked out in C++ when
+backward started. The Reducer asks the engine when it can give the same answer as the walk
+(`prepare.start_search` says when) and walks otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["find_tensors", "reachable_parameters", "route_through_sink"]
+__all__ = ["Accumulators", "find_tensors", "reachable_from", "reachable_parameters", "route_through_sink"]
 
 
 def find_tensors(obj: object) -> list[torch.Tensor]:
@@ -40,17 +45,24 @@ def find_tensors(obj: object) -> list[torch.Tensor]:
 
 
 def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
-    """`id()` of every leaf tensor whose gradient accumulator the outputs' graph reaches.
+    """`id()` of every leaf tensor whose gradient accumulator the outputs' graph reaches."""
+    roots: list[Any] = []
+    reached: set[int] = set()
+    for out in outputs:
+        if out.grad_fn is not None:
+            roots.append(out.grad_fn)
+        elif out.requires_grad:  # a leaf returned as is: it gets a gradient directly
+            reached.add(id(out))
+    return reached | reachable_from(roots)
+
+
+def reachable_from(roots: list[Any]) -> set[int]:
+    """`id()` of every leaf tensor whose gradient accumulator these autograd nodes reach.
 
     Run every forward with the search on, over every node of the graph: the loop is kept to
     what each node needs (its next functions; an accumulator, which has none, its leaf)."""
     reached: set[int] = set()
-    stack: list[Any] = []  # autograd nodes
-    for out in outputs:
-        if out.grad_fn is not None:
-            stack.append(out.grad_fn)
-        elif out.requires_grad:  # a leaf returned as is: it gets a gradient directly
-            reached.add(id(out))
+    stack = list(roots)
     seen: set[object] = {None, *stack}  # None: an input that needs no gradient
     push, see = stack.append, seen.add
     while stack:
@@ -66,6 +78,34 @@ def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
                 see(next_fn)
                 push(next_fn)
     return reached
+
+
+class Accumulators:
+    """Each parameter's gradient accumulator (its `AccumulateGrad` node), held for good as
+    torch's C++ Reducer holds its `grad_accumulators_`: every graph built on the parameter then
+    ends in the same node, and from inside a backward the engine says whether it will run it
+    (`torch._C._will_engine_execute_node`, a set look-up in C++), where the walk visits every
+    node of the graph in Python."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self._params = list(params)
+        self._nodes = [_accumulator(p) for p in self._params]
+
+    def unused(self) -> list[int]:
+        """Inside backward: the parameters whose accumulator this backward will not run."""
+        will_run = torch._C._will_engine_execute_node
+        idle = [i for i, node in enumerate(self._nodes) if not will_run(node)]
+        return [i for i in idle if not self._runs_renewed(i)] if idle else idle
+
+    def _runs_renewed(self, index: int) -> bool:
+        # Setting `p.data` to another dtype or device drops the parameter's accumulator, and
+        # autograd makes a new one at its next use: look again before calling it unused.
+        node = self._nodes[index] = _accumulator(self._params[index])
+        return torch._C._will_engine_execute_node(node)
+
+
+def _accumulator(param: torch.Tensor) -> Any:
+    return torch.autograd.graph.get_gradient_edge(param).node
 
 
 # ------------------------------------------------------------------ outputs left out of the loss
