@@ -154,3 +154,38 @@ def test_a_loss_that_does_not_come_from_the_outputs_still_raises_naming_what_is_
         run_threaded(body, 2, timeout=60)
     assert "body.weight" in str(info.value) and "head.bias" in str(info.value)
     assert "spare" not in str(info.value)  # unused: marked at the first gradient
+
+
+class _TwoOut(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.spare = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = torch.tanh(self.a(x))
+        return self.b(h), h
+
+
+def test_compiled_wrapper_with_find_unused_matches_torch_ddp_compiled():
+    # The sink and the search run outside the compiled graph; the accumulators the engine is
+    # asked about are the ones aot_autograd's backward node feeds.
+    def body(rank, group):
+        results = []
+        for wrapper in (TorchDDP, GradsyncDDP):
+            torch._dynamo.reset()
+            model = seeded(_TwoOut, 0)
+            step = torch.compile(wrapper(model, process_group=group, find_unused_parameters=True), backend="aot_eager")
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for i in range(4):
+                y, h = step(_x(rank, i).repeat(2, 2))
+                (y.sum() if i % 2 else y.sum() + h.sum()).backward()
+                opt.step()
+                opt.zero_grad()
+            results.append([p.detach().clone() for p in model.parameters()])
+        return results
+
+    # One rank: two rank threads compiling at once (dynamo's state is per process) once hung
+    # here; tests/processes/test_compiled.py compiles with 2 ranks, in processes.
+    ((torch_params, ours),) = run_threaded(body, 1, timeout=240)
+    for a, b in zip(torch_params, ours):
+        assert torch.equal(a, b)
