@@ -12,7 +12,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync.engine.unused import Accumulators, reachable_parameters, route_through_sink
+from gradsync.engine.unused import (
+    Accumulators,
+    current_accumulators,
+    reachable_parameters,
+    route_through_sink,
+)
 
 
 def _engine_answer(accumulators: Accumulators, outputs: list[torch.Tensor], loss: torch.Tensor, **backward):
@@ -100,6 +105,20 @@ def test_backward_with_inputs_runs_only_their_accumulators():
     (out,) = route_through_sink(((body * head) * 2,))
     assert _engine_answer(Accumulators([body, head]), [out], out.sum(), inputs=[head]) == [0]
     assert body.grad is None and head.grad is not None
+
+
+def test_the_batched_look_up_finds_the_nodes_autograd_uses():
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    held = current_accumulators(params)  # made here: none existed yet
+    assert [torch.autograd.graph.get_gradient_edge(p).node for p in params] == held
+    with torch.no_grad():  # as inside backward, where grad mode is off
+        assert current_accumulators(params) == held
+    loss = sum((p * 2).sum() for p in params)
+    seen = []
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda t: seen.append(torch.autograd.graph.get_gradient_edge(t).node))
+    loss.backward()
+    assert sorted(map(id, seen)) == sorted(map(id, held))  # the graph ran exactly the nodes held
 
 
 def test_the_engine_cannot_be_asked_outside_backward():

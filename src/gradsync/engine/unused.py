@@ -18,7 +18,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-__all__ = ["Accumulators", "find_tensors", "reachable_from", "reachable_parameters", "route_through_sink"]
+__all__ = [
+    "Accumulators", "current_accumulators", "find_tensors", "reachable_from", "reachable_parameters",
+    "route_through_sink",
+]
 
 
 def find_tensors(obj: object) -> list[torch.Tensor]:
@@ -89,23 +92,44 @@ class Accumulators:
 
     def __init__(self, params: Sequence[torch.Tensor]) -> None:
         self._params = list(params)
-        self._nodes = [_accumulator(p) for p in self._params]
+        self._nodes = current_accumulators(self._params)
 
     def unused(self) -> list[int]:
         """Inside backward: the parameters whose accumulator this backward will not run."""
         will_run = torch._C._will_engine_execute_node
         idle = [i for i, node in enumerate(self._nodes) if not will_run(node)]
-        return [i for i in idle if not self._runs_renewed(i)] if idle else idle
-
-    def _runs_renewed(self, index: int) -> bool:
+        if not idle:
+            return idle
         # Setting `p.data` to another dtype or device drops the parameter's accumulator, and
         # autograd makes a new one at its next use: look again before calling it unused.
-        node = self._nodes[index] = _accumulator(self._params[index])
-        return torch._C._will_engine_execute_node(node)
+        unused = []
+        for i, node in zip(idle, current_accumulators([self._params[i] for i in idle])):
+            if node is not self._nodes[i]:
+                self._nodes[i] = node
+                if will_run(node):
+                    continue
+            unused.append(i)
+        return unused
 
 
-def _accumulator(param: torch.Tensor) -> Any:
-    return torch.autograd.graph.get_gradient_edge(param).node
+def current_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
+    """Each parameter's `AccumulateGrad` node now (made if it has none), all in one look-up:
+    the edges of one autograd node taking them all (`get_gradient_edge` makes a view per
+    parameter, about 4 µs each)."""
+    with torch.enable_grad():  # inside backward it is off, and the node would not be made
+        return [node for node, _ in _Edges.apply(*params).grad_fn.next_functions]
+
+
+class _Edges(torch.autograd.Function):
+    """A node whose next functions are its inputs' gradient edges; never run."""
+
+    @staticmethod
+    def forward(ctx, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor) -> None:  # type: ignore[override]
+        raise AssertionError("gradsync's accumulator look-up is never backpropagated")
 
 
 # ------------------------------------------------------------------ outputs left out of the loss
