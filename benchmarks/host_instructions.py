@@ -25,6 +25,7 @@ import importlib
 import importlib.util
 import os
 import re
+import select
 import subprocess
 import sys
 import tempfile
@@ -98,8 +99,14 @@ def count(variant: str, model: str, steps: int, src: str, cache: bool) -> dict[s
         return _collected(log.read_text())
 
 
-def _expect(proc: subprocess.Popen, word: str, log: Path) -> None:
-    line = proc.stdout.readline().strip() if proc.stdout is not None else ""
+def _expect(proc: subprocess.Popen, word: str, log: Path, timeout: float = 1200) -> None:
+    """Read the variant's next line (its process is killed if none comes within `timeout` s:
+    a variant hung under valgrind must not hang the benchmark)."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    if not ready:
+        proc.kill()
+    line = proc.stdout.readline().strip() if ready else f"nothing in {timeout:.0f} s"
     if line != word:
         tail = log.read_text()[-2000:] if log.exists() else ""
         raise RuntimeError(f"the variant's process said {line!r}, not {word!r}; valgrind's log ends:\n{tail}")

@@ -68,8 +68,7 @@ def start_search(it: Iteration, s: Settings, params: Sequence[torch.Tensor], out
     if s.find_unused:
         search = _deferrable(outputs) if accumulators is not None else None
         if search is None:
-            reached = reachable_parameters(outputs)
-            unused = [i for i, p in enumerate(params) if id(p) not in reached]
+            unused = _unreached(params, reachable_parameters(outputs))
     if s.static is not None:
         s.static.start_iteration()
         if s.static.learned:
@@ -128,5 +127,8 @@ def answer_in_backward(accumulators: Accumulators | None, params: Sequence[torch
         return accumulators.unused()
     if torch._C._will_engine_execute_node(node):
         return [first]
-    reached = reachable_from([node])
+    return _unreached(params, reachable_from([node]))
+
+
+def _unreached(params: Sequence[torch.Tensor], reached: set[int]) -> list[int]:
     return [i for i, p in enumerate(params) if id(p) not in reached]

@@ -56,15 +56,16 @@ def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
             roots.append(out.grad_fn)
         elif out.requires_grad:  # a leaf returned as is: it gets a gradient directly
             reached.add(id(out))
-    return reached | reachable_from(roots)
+    return reachable_from(roots, reached)
 
 
-def reachable_from(roots: list[Any]) -> set[int]:
-    """`id()` of every leaf tensor whose gradient accumulator these autograd nodes reach.
+def reachable_from(roots: list[Any], reached: set[int] | None = None) -> set[int]:
+    """`id()` of every leaf tensor whose gradient accumulator these autograd nodes reach,
+    added to `reached` if given.
 
-    Run every forward with the search on, over every node of the graph: the loop is kept to
+    Run every forward where the search walks, over every node of the graph: the loop is kept to
     what each node needs (its next functions; an accumulator, which has none, its leaf)."""
-    reached: set[int] = set()
+    reached = set() if reached is None else reached
     stack = list(roots)
     seen: set[object] = {None, *stack}  # None: an input that needs no gradient
     push, see = stack.append, seen.add
