@@ -4,7 +4,8 @@
 loss, frozen and tied parameters, buffers, sparse and dense embeddings, a float64 branch, two
 convolutions in channels-last memory) and a
 configuration (find_unused_parameters, static_graph, bucket caps down to one parameter per
-bucket, gradient_as_bucket_view, no_sync accumulation, torch's and gradsync's communication
+bucket, gradient_as_bucket_view, no_sync accumulation, requires_grad turned off (and on again)
+after wrapping, torch's and gradsync's communication
 hooks, SGD or Adam, world size 2 or 3, and on gradsync's side sometimes its
 ZeroRedundancyOptimizer with sharded gradients) within what torch's DDP accepts. `run_case` trains it
 under gradsync's wrapper and torch's, side by side on the same gloo groups, and returns the
@@ -70,6 +71,12 @@ class Case:
     steps: int
     zero: bool = False  # gradsync's side steps a ZeroRedundancyOptimizer with sharded gradients
     inside: bool = False  # ... inside backward (overlap_with_ddp=True)
+    # requires_grad changed after wrapping: none | off (from step `freeze_at` on) | off_on (off
+    # at that step, on again at the next) | off_first (off before the first forward); on the
+    # module `freeze` names (a key of `dict(Generated.named_modules())`).
+    refreeze: str = "none"
+    freeze: str = ""
+    freeze_at: int = 0
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -123,7 +130,7 @@ class Case:
         if rng.random() < 0.3:  # drawn after those, for the same reason
             blocks.insert(rng.randint(1, len(blocks)), Block("conv"))
             case = dataclasses.replace(case, blocks=tuple(blocks))
-        return case
+        return _draw_refreeze(case, rng)  # last of all, for the same reason
 
     def torch_kwargs(self) -> dict[str, Any]:
         """torch's DDP for the same case. Its static_graph fails an internal assert on
@@ -147,6 +154,36 @@ class Case:
 
     def rerun(self) -> str:
         return f"python benchmarks/random_parity.py --seed {self.seed}"
+
+
+def _draw_refreeze(case: Case, rng: random.Random) -> Case:
+    """Trainability changed after wrapping, where torch's DDP trains: a parameter frozen from
+    some step on counts as unused, so only with find_unused_parameters (a static graph raises
+    once it has learned the parameter as used), or before the first forward (then a static
+    graph learns it unused)."""
+    if rng.random() >= 0.4:
+        return case
+    choices = ("off", "off_on", "off_first") if case.find_unused and not case.static_graph else ()
+    choices += ("off_first",) if case.static_graph else ()
+    if not choices:
+        return case
+    refreeze = rng.choice(choices)
+    # Not a sparse embedding: torch's DDP raises for any unused sparse gradient.
+    modules = ["inp"] + [f"layers.{i}" for i, b in enumerate(case.blocks) if b.kind != "frozen" and not b.sparse]
+    modules += [f"heads.{i}" for i, b in enumerate(case.blocks) if b.aux != "none" and b.head == "linear"]
+    at = 0 if refreeze == "off_first" else rng.randint(1, case.steps - 1)
+    return dataclasses.replace(case, refreeze=refreeze, freeze=rng.choice(modules), freeze_at=at)
+
+
+def change_trainability(case: Case, model: nn.Module, step: int) -> None:
+    """Before `step`'s forwards: the case's change of requires_grad, if it falls there."""
+    if case.refreeze == "none":
+        return
+    module = dict(model.named_modules())[case.freeze]
+    if step == case.freeze_at:
+        module.requires_grad_(False)
+    elif case.refreeze == "off_on" and step == case.freeze_at + 1:
+        module.requires_grad_(True)
 
 
 def used(use: str, rank: int, step: int) -> bool:
@@ -268,6 +305,7 @@ def train(wrapper_cls: type, rank: int, group: Any, case: Case, batches: list[to
     ws = group.size()
     grads = []
     for step, batch in enumerate(batches):
+        change_trainability(case, model, step)
         opt.zero_grad(set_to_none=case.set_to_none)
         micro = batch.chunk(ws)[rank].chunk(case.micro_steps)
         for j, x in enumerate(micro):

@@ -6,8 +6,9 @@ import json
 import os
 
 import pytest
+import torch
 
-from gradsync.testing import run_torchrun
+from gradsync.testing import run_processes, run_torchrun
 
 SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts")
 
@@ -205,3 +206,24 @@ def test_probe_describes_the_group_for_the_simulator(tmp_path, capsys):
     assert "priced from load probes at ranks [2]" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli(["probe", "--gradient-mib", "0"])  # refused before any rank starts
+
+
+def _wrap_in_group_of_rank_0(rank, _group):
+    import torch.distributed as dist
+
+    import gradsync
+
+    sub = dist.new_group([0])  # every rank calls it; rank 1 gets GroupMember.NON_GROUP_MEMBER
+    try:
+        gradsync.DistributedDataParallel(torch.nn.Linear(2, 2), process_group=sub)
+        return "built"
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_process_group_this_rank_is_not_in_is_refused_naming_the_rank():
+    # Before: AttributeError: 'int' object has no attribute 'size'.
+    built, refused = run_processes(_wrap_in_group_of_rank_0, 2, timeout=60, default_group=True)
+    assert built == "built"
+    assert "global rank 1 is not a member of the group passed" in refused
+    assert "if dist.get_rank() in ranks" in refused

@@ -44,3 +44,7 @@ def test_the_generator_covers_what_it_promises():
     assert any(c.static_graph and any(b.use == "rank" for b in c.blocks) for c in cases)
     assert any(c.static_graph and any(b.aux == "never" for b in c.blocks) for c in cases)
     assert any(c.find_unused and any(b.aux == "never" for b in c.blocks) for c in cases)
+    assert {c.refreeze for c in cases} == {"none", "off", "off_on", "off_first"}
+    assert any(c.refreeze == "off_first" and c.static_graph for c in cases)
+    assert any(c.refreeze != "none" and c.zero for c in cases)
+    assert any(c.refreeze != "none" and c.freeze.startswith("heads") for c in cases)

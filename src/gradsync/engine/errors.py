@@ -52,8 +52,28 @@ def marked_twice_message(name: str, index: int, rank: int, cause: str) -> str:
     )
 
 
+def frozen_since_wrapping_fix(frozen: Sequence[str], static_graph: bool) -> list[str]:
+    """The fix for gradients missing because `requires_grad` was turned off after wrapping."""
+    if not frozen:
+        return []
+    what = (
+        f"{format_names(frozen)} had requires_grad=True when the wrapper was built and has "
+        "requires_grad=False now, so no gradient comes for it."
+    )
+    rebuild = (
+        "build the wrapper again after changing requires_grad (it takes the parameters that "
+        "require grad when it is built)"
+    )
+    if static_graph:
+        return [f"{what} static_graph=True needs the same parameters trained in every iteration: "
+                f"{rebuild}, or drop static_graph=True and pass find_unused_parameters=True."]
+    return [f"{what} Pass find_unused_parameters=True (a frozen parameter is then treated as "
+            f"unused, as torch's DDP does), or {rebuild}."]
+
+
 def unfinished_reduction_message(
-    missing: Sequence[str], rank: int, find_unused: bool, iteration: int
+    missing: Sequence[str], rank: int, find_unused: bool, iteration: int,
+    frozen: Sequence[str] = (),
 ) -> str:
     detail = (
         f"On rank {rank}, {len(missing)} parameter(s) got no gradient in iteration {iteration}: "
@@ -68,6 +88,7 @@ def unfinished_reduction_message(
             "Return the outputs as tensors inside tuples, lists, dicts or dataclasses, which "
             "gradsync can look into.",
         ]
+    fixes = frozen_since_wrapping_fix(frozen, False) + fixes
     numbered = "\n".join(f"  {n}. {fix}" for n, fix in enumerate(fixes, 1))
     return (
         "gradsync: a new iteration started before the previous one finished reducing "
@@ -82,7 +103,7 @@ _WITHOUT_SEARCH = [
     "iterations or on some ranks (outputs left out of the loss, skipped branches); it costs "
     "a graph walk per iteration.",
     "Otherwise make every parameter take part in the loss, or set requires_grad=False on the "
-    "ones that never train.",
+    "ones that never train before building the wrapper.",
 ]
 
 
@@ -92,8 +113,10 @@ def missing_gradients_message(
     find_unused: bool,
     static_graph: bool,
     rank: int,
+    frozen: Sequence[str] = (),
 ) -> str:
-    """Backward ended on some rank with buckets whose gradients never all came."""
+    """Backward ended on some rank with buckets whose gradients never all came; `frozen`: those
+    of them that do not require grad now."""
     lines = []
     for r, entries in sorted(per_rank.items()):
         buckets = sorted({b for b, _ in entries})
@@ -116,6 +139,7 @@ def missing_gradients_message(
         ]
     else:
         fixes = _WITHOUT_SEARCH
+    fixes = frozen_since_wrapping_fix(frozen, static_graph) + fixes
     numbered = "\n".join(f"  {n}. {fix}" for n, fix in enumerate(fixes, 1))
     return (
         f"gradsync: backward ended in iteration {iteration} with gradients that never came, so "

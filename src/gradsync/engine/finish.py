@@ -97,10 +97,13 @@ class Finisher:
 
     def _missing_error(self, it: Iteration, everyone: bool) -> Callable[[], GradSyncError]:
         def error() -> GradSyncError:
-            mine = [(self.set.bucket_of[i].index, self.set.names[i]) for i in it.missing]
+            names, params = self.set.names, self.set.params
+            mine = [(self.set.bucket_of[i].index, names[i]) for i in it.missing]
+            frozen = [names[i] for i in it.missing if not params[i].requires_grad]
             return missing_gradients_error(
                 mine, it.number, self.group.rank(), self.group if everyone else None,
                 self.settings.config.timeout, self.settings.find_unused, self.settings.static is not None,
+                frozen,
             )
 
         return error

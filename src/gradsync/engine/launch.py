@@ -70,7 +70,7 @@ class Launcher:
         if config.check_finite:
             self._check_finite(it, bucket)
         if self.calls is not None:
-            bucket.stream = self._fill_stream(it)  # where the chain launches it (M2)
+            bucket.stream = self._fill_stream(it)  # where the bucket (or the hook chain) launches it
         bucket.fill(self.divisor(it), config.gradient_as_bucket_view)
 
     def _fill_stream(self, it: Iteration) -> Any:
@@ -93,11 +93,15 @@ class Launcher:
 
     def _fill_sparse(self, it: Iteration, bucket: Bucket) -> None:
         if not bucket.fill_sparse(it.divisor):
-            kind = "no gradient" if bucket.params[0].grad is None else "a dense gradient"
+            param = bucket.params[0]
+            kind = "no gradient" if param.grad is None else "a dense gradient"
+            frozen = "" if param.requires_grad else (
+                " (requires_grad was turned off after the wrapper was built: a sparse gradient "
+                "cannot be left out as unused, in torch's DDP either; build the wrapper again)")
             raise GradSyncError(
                 f"gradsync: parameter {self.names[bucket.param_indices[0]]!r} was declared to "
                 f"get a sparse gradient but has {kind} in iteration {it.number} on rank "
-                f"{self.rank}. Build its module with sparse=True on every rank and use it in "
+                f"{self.rank}{frozen}. Build its module with sparse=True on every rank and use it in "
                 "every iteration, or declare it dense."
             )
 

@@ -27,23 +27,25 @@ __all__ = ["missing_gradients_error", "unfinished_iteration_error"]
 
 def missing_gradients_error(
     mine: list[tuple[int, str]], iteration: int, rank: int, group: dist.ProcessGroup | None,
-    timeout: timedelta, find_unused: bool, static: bool,
+    timeout: timedelta, find_unused: bool, static: bool, frozen: list[str],
 ) -> GradSyncError:
     """The error for gradients that never came: this rank's `mine` ((bucket, name) pairs) and,
-    with `group`, every rank's, gathered (a collective every rank enters)."""
+    with `group`, every rank's, gathered (a collective every rank enters); `frozen`, this
+    rank's missing parameters that no longer require grad."""
     if group is None or group.size() == 1:
         per_rank = {rank: mine} if mine else {}
     else:
         everyone = all_gather_objects(group, mine, timeout)
         per_rank = {r: names for r, names in enumerate(everyone) if names}  # type: ignore[misc]
-    return GradSyncError(missing_gradients_message(per_rank, iteration, find_unused, static, rank))  # type: ignore[arg-type]
+    return GradSyncError(missing_gradients_message(per_rank, iteration, find_unused, static, rank, frozen))  # type: ignore[arg-type]
 
 
 def unfinished_iteration_error(missing: list[str], rank: int, find_unused: bool, iteration: int,
-                               monitor: StallMonitor | None) -> GradSyncError:
+                               monitor: StallMonitor | None, frozen: list[str]) -> GradSyncError:
     """The error at the next forward for an iteration whose end of backward was never seen:
-    this rank's `missing` names, and what the other ranks published through the monitor."""
-    message = unfinished_reduction_message(missing, rank, find_unused, iteration)
+    this rank's `missing` names (`frozen`: those that no longer require grad), and what the
+    other ranks published through the monitor."""
+    message = unfinished_reduction_message(missing, rank, find_unused, iteration, frozen)
     if monitor is not None:  # what the other ranks reported, if they got here first
         for other, names in sorted(monitor.publish_missing(iteration, missing).items()):
             message += f"\nRank {other} reported {len(names)} missing: {format_names(names)}"

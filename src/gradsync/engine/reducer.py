@@ -260,9 +260,10 @@ class Reducer:
         # Reached only where the end of backward could not be seen (forward returned no
         # tensor, or the loss did not come from its outputs): report the missing gradients now.
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            unmarked = self._it.unmarked()
             error = missing.unfinished_iteration_error(
-                [self.names[i] for i in self._it.unmarked()], self.rank, self._s.find_unused, self.iteration,
-                self._waits.monitor,
+                [self.names[i] for i in unmarked], self.rank, self._s.find_unused, self.iteration,
+                self._waits.monitor, [self.names[i] for i in unmarked if not self.params[i].requires_grad],
             )
             self.abandon_iteration()
             raise error

@@ -98,14 +98,16 @@ class Accumulators:
     def unused(self) -> list[int]:
         """Inside backward: the parameters whose accumulator this backward will not run."""
         will_run = torch._C._will_engine_execute_node
-        idle = [i for i, node in enumerate(self._nodes) if not will_run(node)]
+        idle = [i for i, node in enumerate(self._nodes) if node is None or not will_run(node)]
         if not idle:
             return idle
         # Setting `p.data` to another dtype or device drops the parameter's accumulator, and
-        # autograd makes a new one at its next use: look again before calling it unused.
+        # autograd makes a new one at its next use: look again before calling it unused. A
+        # parameter frozen since (`requires_grad_(False)`) has none now: it is unused, as in
+        # torch's DDP, and the node held stays its accumulator if it is unfrozen.
         unused = []
         for i, node in zip(idle, current_accumulators([self._params[i] for i in idle])):
-            if node is not self._nodes[i]:
+            if node is not None and node is not self._nodes[i]:
                 self._nodes[i] = node
                 if will_run(node):
                     continue
@@ -114,11 +116,14 @@ class Accumulators:
 
 
 def current_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
-    """Each parameter's `AccumulateGrad` node now (made if it has none), all in one look-up:
-    the edges of one autograd node taking them all (`get_gradient_edge` makes a view per
-    parameter, about 4 µs each)."""
+    """Each parameter's `AccumulateGrad` node now (made if it has none; None for a parameter
+    that does not require grad), all in one look-up: the edges of one autograd node taking them
+    all (`get_gradient_edge` makes a view per parameter, about 4 µs each)."""
     with torch.enable_grad():  # inside backward it is off, and the node would not be made
-        return [node for node, _ in _Edges.apply(*params).grad_fn.next_functions]
+        node = _Edges.apply(*params).grad_fn
+    if node is None:  # none of them requires grad
+        return [None] * len(params)
+    return [edge for edge, _ in node.next_functions]
 
 
 class _Edges(torch.autograd.Function):

@@ -36,8 +36,10 @@ from ..planning.autoplan import AutoBuckets, BucketPlan
 from .arguments import (
     bucket_limits,
     buffer_policy,
+    check_keywords,
     default_group,
     exclude_from_sync,
+    frozen_parameters,
     mixed_precision_params,
     module_buffers,
     refuse_sharding,
@@ -57,7 +59,12 @@ from .controls import ReducerControls
 from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
-from .module_guards import ForwardWatcher, Placement, check_outputs_hold_tensors
+from .module_guards import (
+    ForwardWatcher,
+    Placement,
+    UnsynchronisedGradients,
+    check_outputs_hold_tensors,
+)
 from .torch_compat import (
     ACTIVE_FORWARDS,
     TorchDDP,
@@ -112,6 +119,7 @@ class DistributedDataParallel(ReducerControls, _Base):
         batched_grad_copy: bool = False,
         forward_sync_buffers: bool | None = None,
     ) -> None:
+        check_keywords(**{k: v for k, v in locals().items() if k != "self"})  # before anything runs
         nn.Module.__init__(self)  # not torch's DistributedDataParallel.__init__: no C++ reducer
         Joinable.__init__(self)
         self.module = module
@@ -133,15 +141,16 @@ class DistributedDataParallel(ReducerControls, _Base):
     def _keep_options(
         self, dim: int, find_unused: bool, as_view: bool, static_graph: bool, skip_unused: bool, batched: bool
     ) -> None:
+        # The flags as truth values, as torch reads them (1 and None are accepted there).
         self.dim = dim
-        self.find_unused_parameters = find_unused
-        self.gradient_as_bucket_view = as_view
-        self.static_graph = static_graph
+        self.find_unused_parameters = bool(find_unused)
+        self.gradient_as_bucket_view = bool(as_view)
+        self.static_graph = bool(static_graph)
         # torch skips sending parameters unused on every rank (its users promise the unused set
         # never changes); gradsync still sends their zeros. The results are the same.
-        self.skip_all_reduce_unused_params = skip_unused
+        self.skip_all_reduce_unused_params = bool(skip_unused)
         # batched_grad_copy changes only how copies are issued, never the result; accepted.
-        self.batched_grad_copy = batched
+        self.batched_grad_copy = bool(batched)
 
     def _start_counting(self) -> None:
         self.require_backward_grad_sync = True
@@ -214,6 +223,7 @@ class DistributedDataParallel(ReducerControls, _Base):
         own, whose gradients are local, as under torch's DDP, not late ones."""
         # Mixed precision swaps parameter dtypes around every forward, on purpose.
         self._placement = Placement(self.module, self._named_params, dtype_swaps=self._mixed is not None)
+        weakref.finalize(self, UnsynchronisedGradients(frozen_parameters(self.module)).remove)
         if self.reducer is None:
             return
         handle = self.module.register_forward_pre_hook(ForwardWatcher(self.reducer))

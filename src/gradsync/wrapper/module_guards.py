@@ -4,12 +4,16 @@ The Reducer's buckets were allocated for the parameters as they were when wrappe
 moved, cast or given new parameter tensors afterwards is refused (`Placement`), not
 half-synchronised. A forward of the wrapped module itself, not through the wrapper, starts a
 graph of its own whose gradients are local, as under torch's DDP (`ForwardWatcher`). And a
-forward whose output holds no tensor leaves nothing to search from for unused parameters.
+forward whose output holds no tensor leaves nothing to search from for unused parameters. A
+parameter frozen when wrapped and unfrozen later trains on each rank apart: said once
+(`UnsynchronisedGradients`).
 """
 
 from __future__ import annotations
 
+import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -19,7 +23,7 @@ from ..engine.errors import GradSyncError
 from ..engine.reducer import Reducer
 from ..engine.unused import find_tensors
 
-__all__ = ["ForwardWatcher", "Placement", "check_outputs_hold_tensors"]
+__all__ = ["ForwardWatcher", "Placement", "UnsynchronisedGradients", "check_outputs_hold_tensors"]
 
 
 class ForwardWatcher:
@@ -71,6 +75,47 @@ class Placement:
             "longer be synchronised.\nFix: move or cast the module first, then wrap it: "
             "model.to(device); ddp = gradsync.DistributedDataParallel(model, ...)."
         )
+
+
+class UnsynchronisedGradients:
+    """A gradient hook on each parameter that did not require grad when wrapped: the wrapper
+    (as torch's DDP) never synchronises it, so if it is unfrozen later each rank trains it
+    apart and the replicas drift. torch's DDP says nothing; the first such gradient warns here,
+    once per parameter. The hooks go with the wrapper (`remove`)."""
+
+    def __init__(self, named: Iterable[tuple[str, nn.Parameter]]) -> None:
+        self.handles = []
+        for name, param in named:
+            # torch refuses a hook on a tensor that needs no gradient, but the hook is kept on
+            # the tensor and runs once it does: register it with the flag on for a moment.
+            param.requires_grad_(True)
+            try:
+                self.handles.append(param.register_post_accumulate_grad_hook(self._warner(name)))
+            finally:
+                param.requires_grad_(False)
+
+    @staticmethod
+    def _warner(name: str) -> Any:
+        warned = False
+
+        def warn(_param: torch.Tensor) -> None:
+            nonlocal warned
+            if not warned:
+                warned = True
+                warnings.warn(
+                    f"gradsync: parameter {name!r} did not require grad when the wrapper was "
+                    "built, so its gradient is not synchronised: each rank now trains it apart "
+                    "and the replicas drift (torch's DDP does the same). Build the wrapper "
+                    "again after setting requires_grad, or exclude it on purpose with "
+                    "gradsync.exclude_from_sync before wrapping.",
+                    stacklevel=2,
+                )
+
+        return warn
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
 
 def _where(t: torch.Tensor | None) -> str:
