@@ -444,7 +444,7 @@ class Bucket:
             self._n_copied = 0
         self.work = None
         self._sum_divisor = 0
-        self.landed = False  # reduced, its work dropped (a transient bucket, `Reducer._settle`)
+        self.landed = False  # reduced, its work dropped (a transient bucket, `BucketSet.settle_landed`)
         self.sparse_grad = None
         self.payload = self.buffer
         self.future = None

@@ -74,7 +74,7 @@ def _zero(bucket: Bucket) -> None:
 
 
 def _shadow_bucket(parts: Joined, it: Iteration, bucket: Bucket) -> None:
-    """The bucket's collective on zeros, as `Reducer._launch` starts it, waited for."""
+    """The bucket's collective on zeros, as `Launcher._launch` starts it, waited for."""
     if bucket.sparse:  # an active rank's sparse sum: this rank's part is a dense zero
         parts.waits(parts.group.allreduce([torch.zeros_like(bucket.buffer)]),
                     f"shadow all-reduce {bucket.index} of a joined rank")

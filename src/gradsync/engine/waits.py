@@ -14,7 +14,7 @@ from typing import Protocol
 import torch.distributed as dist
 
 from .bucket import Bucket
-from .collectives import wait
+from .collectives import DEFAULT_TIMEOUT, wait
 from .device import host_runs_collectives
 from .errors import ReductionTimeoutError, format_names
 
@@ -43,7 +43,7 @@ class Waits:
         self._host = host_runs_collectives(group)
         self.monitor: StallMonitor | None = None
         self.iteration = 0
-        self.timeout = timedelta(minutes=30)
+        self.timeout = DEFAULT_TIMEOUT  # until `begin` sets the configured one
         self._stall_report = ""
         self._started = 0.0
         self._buckets: list[Bucket] = []
