@@ -35,6 +35,31 @@ def test_demo_trains_and_proves_synchronisation(tmp_path):
     assert json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
 
 
+def test_demo_runs_without_the_plot_extra(tmp_path):
+    # As a user who ran `pip install gradsync` meets it: no matplotlib. Every rank once died
+    # in observability/plot.py after training; the picture is the one thing left out.
+    hidden = tmp_path / "hide"
+    hidden.mkdir()
+    (hidden / "matplotlib.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
+    path = os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))
+    result = run_torchrun("gradsync.tools.demo", 2, ["--epochs", "12", "--out", str(tmp_path / "out")],
+                          module=True, timeout=180, env={"PYTHONPATH": path})
+    assert result.returncode == 0, result.stdout
+    assert "overlap timeline (PNG):  not drawn: matplotlib is not installed" in result.stdout
+    assert "parameters identical on all 2 ranks: True" in result.stdout
+    assert not (tmp_path / "out" / "overlap.png").exists()
+
+
+def test_version_is_printed(capsys):
+    from gradsync import __version__
+    from gradsync.tools.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--version"])
+    assert info.value.code == 0 and capsys.readouterr().out == f"gradsync {__version__}\n"
+
+
 def test_demo_cli_refuses_bad_values():
     from gradsync.tools.cli import main
 

@@ -104,6 +104,7 @@ _ON_RANKS_HELP = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
+    parser.add_argument("--version", action="version", version=f"gradsync {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_on_ranks_commands(sub)
     _add_simulate_command(sub)
@@ -113,6 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     if rest:
         parser.error(f"unrecognised arguments: {' '.join(rest)}")
     return _simulate(args)
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return __version__
 
 
 def _add_on_ranks_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

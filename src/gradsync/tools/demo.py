@@ -199,7 +199,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _report(args, world, ddp, history, gathered, timelines, traces) -> None:
-    from ..observability.plot import render_overlap_png
     from ..observability.trace import merge_traces, write_chrome_trace
 
     same = all(torch.equal(gathered[0], g) for g in gathered[1:])
@@ -209,7 +208,7 @@ def _report(args, world, ddp, history, gathered, timelines, traces) -> None:
     )
     final = history[-1]
     out = Path(args.out)
-    png = render_overlap_png(timelines, out / "overlap.png")
+    png = _overlap_png(timelines, out / "overlap.png")
     trace = write_chrome_trace(out / "trace.json", merge_traces(traces))
     tolerance = 1e-3 if args.comm_hook == "none" else 5e-2
     print(f"\ngradsync demo: {world} ranks, {args.epochs} epochs, {args.batch_size} samples per rank per step")
@@ -224,6 +223,18 @@ def _report(args, world, ddp, history, gathered, timelines, traces) -> None:
     print(f"\nRESULT: {'PASS' if ok else 'FAIL'}")
     if not ok:
         raise SystemExit("gradsync demo: a check failed (see above)")
+
+
+def _overlap_png(timelines, path: Path) -> str:
+    """The overlap picture, or why there is none: matplotlib is an extra (`gradsync[plot]`)."""
+    try:
+        from ..observability.plot import render_overlap_png
+
+        return str(render_overlap_png(timelines, path))
+    except ModuleNotFoundError as error:
+        if error.name != "matplotlib":
+            raise
+        return "not drawn: matplotlib is not installed (pip install 'gradsync[plot]')"
 
 
 if __name__ == "__main__":
