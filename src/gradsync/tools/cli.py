@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
 import sys
 
 __all__ = ["main"]
@@ -117,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _version() -> str:
-    from .. import __version__
-
-    return __version__
+    # From the installed package's metadata: `tools` sits below the package's `__init__`, which
+    # must not be imported from here (the layers point down).
+    try:
+        return importlib.metadata.version("gradsync")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed: running from a source tree)"
 
 
 def _add_on_ranks_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
