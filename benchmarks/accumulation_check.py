@@ -50,7 +50,10 @@ def main() -> None:
         for name, values in samples.items():
             kept = values[3:]  # the first rounds warm up
             ratio = statistics.median(a / b for a, b in zip(kept, base))
-            print(f"{name:18s} median {statistics.median(kept):.3f} ms/step, paired ratio to check off {ratio:.3f}")
+            print(
+                f"{name:18s} median {statistics.median(kept):.3f} ms/step, "
+                f"paired ratio to check off {ratio:.3f}"
+            )
     variants.clear()
     gc.collect()  # free the wrappers while the group exists
     dist.barrier()

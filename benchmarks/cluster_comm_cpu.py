@@ -31,13 +31,20 @@ def worker(args: argparse.Namespace) -> None:
     for mib in (float(s) for s in args.sizes.split(",")):
         cost = measure_comm_cpu(dist.group.WORLD, int(mib * MIB), seconds=args.seconds)  # type: ignore[arg-type]
         if dist.get_rank() == 0 and cost is not None:
-            print(f"ROW | {args.label} | {mib:g} | {cost.allreduce_ms:.1f} | {cost.busy_ms:.1f} |", flush=True)
+            print(
+                f"ROW | {args.label} | {mib:g} | {cost.allreduce_ms:.1f} | {cost.busy_ms:.1f} |",
+                flush=True,
+            )
     dist.destroy_process_group()
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--links", default="1gbit,2gbit,4gbit,none", help="rates; `none` leaves the link unshaped")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--links", default="1gbit,2gbit,4gbit,none", help="rates; `none` leaves the link unshaped"
+    )
     parser.add_argument("--sizes", default="2,16", help="all-reduce sizes in MiB")
     parser.add_argument("--seconds", type=float, default=3.0, help="how long each size runs")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -48,12 +55,24 @@ def main() -> int:
         return 0
     from gradsync.tools.cluster import EmulatedCluster
 
-    print("| link | MiB | wall ms per all-reduce | machine CPU ms per all-reduce |\n|---|---:|---:|---:|")
+    print(
+        "| link | MiB | wall ms per all-reduce | machine "
+        "CPU ms per all-reduce |\n|---|---:|---:|---:|"
+    )
     failed = 0
     for link in args.links.split(","):
         rate = None if link == "none" else link
         with EmulatedCluster(2, rate) as cluster:
-            target = [__file__, "--worker", "--label", link, "--sizes", args.sizes, "--seconds", str(args.seconds)]
+            target = [
+                __file__,
+                "--worker",
+                "--label",
+                link,
+                "--sizes",
+                args.sizes,
+                "--seconds",
+                str(args.seconds),
+            ]
             for done in cluster.torchrun(target, timeout=600, env={"OMP_NUM_THREADS": "1"}):
                 rows = [line[4:] for line in done.stdout.splitlines() if line.startswith("ROW ")]
                 if rows:
@@ -61,7 +80,10 @@ def main() -> int:
                 if done.returncode:
                     failed += 1
                     print(done.stdout[-3000:], file=sys.stderr)
-    print(f"\n{os.cpu_count()} cores; CPU is the whole machine's (both hosts, the bridge, tbf), less idle")
+    print(
+        f"\n{os.cpu_count()} cores; CPU is the whole "
+        "machine's (both hosts, the bridge, tbf), less idle"
+    )
     return 1 if failed else 0
 
 

@@ -48,7 +48,10 @@ class Minimal(nn.Module):
             offset = 0
             for i in indices:
                 n = self.params[i].numel()
-                self.views[i], self.bucket_of[i] = flat[offset:offset + n].view_as(self.params[i]), b
+                self.views[i], self.bucket_of[i] = (
+                    flat[offset : offset + n].view_as(self.params[i]),
+                    b,
+                )
                 offset += n
             self.flats.append(flat)
         self._reset()
@@ -56,7 +59,12 @@ class Minimal(nn.Module):
             p.register_post_accumulate_grad_hook(functools.partial(self._hook, i))
 
     def _reset(self) -> None:
-        self.pending, self.works, self.next, self.queued = [len(b) for b in self.layout], [], 0, False
+        self.pending, self.works, self.next, self.queued = (
+            [len(b) for b in self.layout],
+            [],
+            0,
+            False,
+        )
 
     def _hook(self, index: int, param: torch.Tensor) -> None:
         torch.mul(param.grad, self.scale, out=self.views[index])
@@ -71,7 +79,9 @@ class Minimal(nn.Module):
     def _finish(self) -> None:
         for indices, work in zip(self.layout, self.works):
             work.wait()
-            torch._foreach_copy_([self.params[i].grad for i in indices], [self.views[i] for i in indices])
+            torch._foreach_copy_(
+                [self.params[i].grad for i in indices], [self.views[i] for i in indices]
+            )
         self._reset()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +94,9 @@ def layout_of_sizes(params: list[torch.Tensor], sizes_mib: list[float]) -> list[
 
     order = list(reversed(range(len(params))))
     limits = [int(size * MIB) for size in sizes_mib]
-    return compute_bucket_assignment_by_size([params[i] for i in order], limits, tensor_indices=order)[0]
+    return compute_bucket_assignment_by_size(
+        [params[i] for i in order], limits, tensor_indices=order
+    )[0]
 
 
 def build(variant: str, model_name: str, rank: int, state: dict):
@@ -100,17 +112,26 @@ def build(variant: str, model_name: str, rank: int, state: dict):
         wrapped = model
     elif variant == "minimal":
         if "layout" not in state:
-            raise SystemExit("minimal needs a gradsync variant before it in --variants (it takes its layout)")
+            raise SystemExit(
+                "minimal needs a gradsync variant before it in --variants (it takes its layout)"
+            )
         wrapped = Minimal(model, state["layout"], dist.get_world_size())
     else:
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=25 if variant.startswith("L") else float(variant))
+        wrapped = DistributedDataParallel(
+            model, bucket_cap_mb=25 if variant.startswith("L") else float(variant)
+        )
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [make_input(g) for _ in range(4)]
-    if isinstance(wrapped, DistributedDataParallel):  # past the first rebuild, then the layout asked for
+    # past the first rebuild, then the layout asked for
+    if isinstance(wrapped, DistributedDataParallel):
         for batch in batches[:2]:
             _loss(wrapped(batch)).backward()
         if variant.startswith("L"):
-            wrapped.reducer.install_layout(layout_of_sizes(list(model.parameters()), [float(v) for v in variant[1:].split("_")]))
+            wrapped.reducer.install_layout(
+                layout_of_sizes(
+                    list(model.parameters()), [float(v) for v in variant[1:].split("_")]
+                )
+            )
         state.setdefault("layout", [list(b.param_indices) for b in wrapped.reducer.buckets])
     return wrapped, torch.optim.SGD(model.parameters(), lr=1e-3), batches
 
@@ -143,7 +164,8 @@ def phases(wrapped: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> d
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(minutes=5))  # no rank waits for good on a stuck peer
+    # no rank waits for good on a stuck peer
+    dist.init_process_group("gloo", timeout=timedelta(minutes=5))
     rank, state = dist.get_rank(), {}
     built = {v: build(v, args.model, rank, state) for v in args.variants.split(",")}
     rows: dict[str, list[dict[str, float]]] = {v: [] for v in built}
@@ -156,12 +178,17 @@ def worker(args: argparse.Namespace) -> None:
     if rank == 0:
         print(f"{args.model} at {args.link}, {args.rounds} rounds x 3 steps, medians in ms")
         for variant, got in rows.items():
-            print(f"{variant:>10s} " + " ".join(f"{k}={statistics.median(r[k] for r in got):.1f}" for k in got[0]))
+            print(
+                f"{variant:>10s} "
+                + " ".join(f"{k}={statistics.median(r[k] for r in got):.1f}" for k in got[0])
+            )
     dist.destroy_process_group()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="residual_mlp")
     parser.add_argument("--link", default="2gbit")
     parser.add_argument("--variants", default="torch,2,minimal,plain")

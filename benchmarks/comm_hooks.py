@@ -35,18 +35,30 @@ def _hooked(cls, group, hook):
 def bench_rank(rank: int, group, rounds: int, repeat: int):
     torch.set_num_threads(1)
     variants = {
-        "torch DDP + fp16 hook": _variant(wide_mlp, _hooked(TorchDDP, group, torch_hooks.fp16_compress_hook), repeat),
-        "torch DDP + fp16 hook (again)": _variant(wide_mlp, _hooked(TorchDDP, group, torch_hooks.fp16_compress_hook), repeat),
-        "gradsync + torch's fp16 hook": _variant(wide_mlp, _hooked(GradsyncDDP, group, torch_hooks.fp16_compress_hook), repeat),
-        "gradsync + gradsync fp16 hook": _variant(wide_mlp, _hooked(GradsyncDDP, group, comm_hooks.fp16_compress_hook), repeat),
-        "gradsync + gradsync bf16 hook": _variant(wide_mlp, _hooked(GradsyncDDP, group, comm_hooks.bf16_compress_hook), repeat),
+        "torch DDP + fp16 hook": _variant(
+            wide_mlp, _hooked(TorchDDP, group, torch_hooks.fp16_compress_hook), repeat
+        ),
+        "torch DDP + fp16 hook (again)": _variant(
+            wide_mlp, _hooked(TorchDDP, group, torch_hooks.fp16_compress_hook), repeat
+        ),
+        "gradsync + torch's fp16 hook": _variant(
+            wide_mlp, _hooked(GradsyncDDP, group, torch_hooks.fp16_compress_hook), repeat
+        ),
+        "gradsync + gradsync fp16 hook": _variant(
+            wide_mlp, _hooked(GradsyncDDP, group, comm_hooks.fp16_compress_hook), repeat
+        ),
+        "gradsync + gradsync bf16 hook": _variant(
+            wide_mlp, _hooked(GradsyncDDP, group, comm_hooks.bf16_compress_hook), repeat
+        ),
         "torch DDP, no hook": _variant(wide_mlp, _hooked(TorchDDP, group, None), repeat),
         "gradsync, no hook": _variant(wide_mlp, _hooked(GradsyncDDP, group, None), repeat),
     }
     result = interleave(variants, rounds=rounds, warmup=1)
     if rank != 0:
         return None
-    return markdown_table(result, "torch DDP + fp16 hook", "torch DDP + fp16 hook (again)", "ms", 1e3)
+    return markdown_table(
+        result, "torch DDP + fp16 hook", "torch DDP + fp16 hook (again)", "ms", 1e3
+    )
 
 
 def main() -> None:
@@ -55,7 +67,10 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=8)
     args = parser.parse_args()
     table = run_processes(bench_rank, 2, args.rounds, args.repeat, timeout=1800)[0]
-    print(f"### wide MLP (16 MB of gradients), world size 2, {args.rounds} rounds x {args.repeat} steps\n")
+    print(
+        "### wide MLP (16 MB of gradients), world size 2, "
+        f"{args.rounds} rounds x {args.repeat} steps\n"
+    )
     print(table)
 
 

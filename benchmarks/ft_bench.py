@@ -50,7 +50,11 @@ def _build(variant: str, model_name: str, manager, cap_mb: float, lr: float = 1e
         wrapped = gradsync.ft.DistributedDataParallel(manager, model, bucket_cap_mb=cap_mb)
     else:
         wrapped = torchft.ddp.DistributedDataParallel(manager, model, bucket_cap_mb=cap_mb)
-    return wrapped, torchft.Optimizer(manager, torch.optim.SGD(wrapped.parameters(), lr=lr)), make_input
+    return (
+        wrapped,
+        torchft.Optimizer(manager, torch.optim.SGD(wrapped.parameters(), lr=lr)),
+        make_input,
+    )
 
 
 def _steps(wrapped, optim, make_input, steps: int, seed: int) -> list[list[float]]:
@@ -84,10 +88,20 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2)
     local = dist.TCPStore(me, 0, is_master=True, wait_for_workers=False)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)), load_state_dict=lambda _: None, state_dict=dict,
-        min_replica_size=2, replica_id=f"bench_{rank}", store_addr=me, store_port=local.port, rank=0,
-        world_size=1, lighthouse_addr=f"http://{host0}:{LIGHTHOUSE_PORT}", hostname=me, init_sync=False,
-        timeout=timedelta(seconds=120), quorum_timeout=timedelta(seconds=120),
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=120)),
+        load_state_dict=lambda _: None,
+        state_dict=dict,
+        min_replica_size=2,
+        replica_id=f"bench_{rank}",
+        store_addr=me,
+        store_port=local.port,
+        rank=0,
+        world_size=1,
+        lighthouse_addr=f"http://{host0}:{LIGHTHOUSE_PORT}",
+        hostname=me,
+        init_sync=False,
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=120),
     )
     results: dict[str, dict[str, list[list[list[float]]]]] = {}
     for model_name in args.models.split(","):
@@ -101,7 +115,8 @@ def worker(args: argparse.Namespace) -> None:
         committed = manager.current_step()
         if rank == 0:
             print(f"[{model_name}: {committed} steps committed under torchft]", flush=True)
-            for variant in ("gradsync", "gradsync.ft"):  # where the communication went: overlapped or exposed
+            # where the communication went: overlapped or exposed
+            for variant in ("gradsync", "gradsync.ft"):
                 print(f"[{model_name}, {variant}]\n{built[variant][0].stats()}", flush=True)
     if rank == 0:
         print("RESULT " + json.dumps(results), flush=True)
@@ -110,37 +125,68 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def table(results: dict, link: str, steps: int, cap_mb: float) -> str:
-    lines = [f"Step time on two emulated hosts at {link} (one replica per host, gloo, {steps} steps per "
-             f"block, bucket_cap_mb={cap_mb:g}, medians; ratios paired by round: median [min-max])", "",
-             "| model | gradsync ms | gradsync.ft ms | torchft DDP ms | gradsync.ft / torchft DDP "
-             "| gradsync.ft / gradsync | A/A: gradsync / gradsync |", "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Step time on two emulated hosts at {link} (one replica per host, gloo, {steps} steps per "
+        f"block, bucket_cap_mb={cap_mb:g}, medians; ratios paired by round: median [min-max])",
+        "",
+        "| model | gradsync ms | gradsync.ft ms | torchft DDP ms | gradsync.ft / torchft DDP "
+        "| gradsync.ft / gradsync | A/A: gradsync / gradsync |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     def paired(med: dict[str, list[float]], a: str, b: str) -> str:
         rs = [x / y for x, y in zip(med[a], med[b])]
         return f"{statistics.median(rs):.3f} [{min(rs):.3f}-{max(rs):.3f}]"
 
-    phases = ["", "Where the time goes (median ms per step: zero_grad | forward and backward | "
-              "optimizer step; under torchft, zero_grad starts the quorum and the step asks should_commit):", "",
-              "| model | variant | zero_grad | forward + backward | step |", "|---|---|---:|---:|---:|"]
+    phases = [
+        "",
+        "Where the time goes (median ms per step: zero_grad | forward and backward | optimizer "
+        "step; under torchft, zero_grad starts the quorum and the step asks should_commit):",
+        "",
+        "| model | variant | zero_grad | forward + backward | step |",
+        "|---|---|---:|---:|---:|",
+    ]
     for model, per in results.items():
-        med = {v: [statistics.median(step[0] for step in block) * 1e3 for block in per[v]] for v in VARIANTS}
+        med = {
+            v: [statistics.median(step[0] for step in block) * 1e3 for block in per[v]]
+            for v in VARIANTS
+        }
         for v in VARIANTS:
-            cols = [statistics.median(step[k] for block in per[v] for step in block) * 1e3 for k in (1, 2, 3)]
+            cols = [
+                statistics.median(step[k] for block in per[v] for step in block) * 1e3
+                for k in (1, 2, 3)
+            ]
             phases.append(f"| {model} | {v} | " + " | ".join(f"{c:.1f}" for c in cols) + " |")
-        lines.append(f"| {model} | {statistics.median(med['gradsync']):.1f} | {statistics.median(med['gradsync.ft']):.1f} "
-                     f"| {statistics.median(med['torchft DDP']):.1f} | {paired(med, 'gradsync.ft', 'torchft DDP')} "
-                     f"| {paired(med, 'gradsync.ft', 'gradsync')} | {paired(med, 'gradsync', 'gradsync A/A')} |")
+        lines.append(
+            f"| {model} | {statistics.median(med['gradsync']):.1f} "
+            f"| {statistics.median(med['gradsync.ft']):.1f} "
+            f"| {statistics.median(med['torchft DDP']):.1f} "
+            f"| {paired(med, 'gradsync.ft', 'torchft DDP')} "
+            f"| {paired(med, 'gradsync.ft', 'gradsync')} "
+            f"| {paired(med, 'gradsync', 'gradsync A/A')} |"
+        )
     return "\n".join(lines + phases)
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--link", default="2gbit")
     p.add_argument("--models", default="residual_mlp,gpt_16mib")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--bucket-cap-mb", type=float, default=4.0,
-                   help="every variant's cap (the default 25 MiB leaves a 14 MiB model two buckets: little to overlap)")
-    p.add_argument("--out", type=Path, help="also write the table and the raw times here (.md, .json)")
+    p.add_argument(
+        "--bucket-cap-mb",
+        type=float,
+        default=4.0,
+        help=(
+            "every variant's cap (the default 25 MiB leaves "
+            "a 14 MiB model two buckets: little to overlap)"
+        ),
+    )
+    p.add_argument(
+        "--out", type=Path, help="also write the table and the raw times here (.md, .json)"
+    )
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--addresses", default="", help=argparse.SUPPRESS)
@@ -155,17 +201,52 @@ def main() -> int:
     logs = [tempfile.TemporaryFile(), tempfile.TemporaryFile()]  # torchft logs every step
     with EmulatedCluster(hosts=2, link=args.link) as cluster:
         addresses = ",".join(h.address for h in cluster.hosts)
-        procs = [subprocess.Popen(
-            cluster.command(0, [lighthouse, "--min_replicas", "2", "--bind", f"{cluster.hosts[0].address}:{LIGHTHOUSE_PORT}"]),
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)]
+        procs = [
+            subprocess.Popen(
+                cluster.command(
+                    0,
+                    [
+                        lighthouse,
+                        "--min_replicas",
+                        "2",
+                        "--bind",
+                        f"{cluster.hosts[0].address}:{LIGHTHOUSE_PORT}",
+                    ],
+                ),
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        ]
         try:
             time.sleep(0.5)
             for i in range(2):
-                argv = [sys.executable, __file__, "--worker", "--rank", str(i), "--addresses", addresses,
-                        "--models", args.models, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                        "--bucket-cap-mb", str(args.bucket_cap_mb)]
-                procs.append(subprocess.Popen(cluster.command(i, argv), stdout=logs[i], stderr=subprocess.STDOUT,
-                                              start_new_session=True, env={**os.environ, **cluster.env(i)}))
+                argv = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    "--rank",
+                    str(i),
+                    "--addresses",
+                    addresses,
+                    "--models",
+                    args.models,
+                    "--rounds",
+                    str(args.rounds),
+                    "--steps",
+                    str(args.steps),
+                    "--bucket-cap-mb",
+                    str(args.bucket_cap_mb),
+                ]
+                procs.append(
+                    subprocess.Popen(
+                        cluster.command(i, argv),
+                        stdout=logs[i],
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,
+                        env={**os.environ, **cluster.env(i)},
+                    )
+                )
             procs[1].wait(1800)
             procs[2].wait(120)
         finally:

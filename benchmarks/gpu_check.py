@@ -124,7 +124,12 @@ class Branchy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.bn, self.out = nn.Linear(32, 64), nn.Linear(64, 64), nn.BatchNorm1d(64), nn.Linear(64, 4)
+        self.a, self.b, self.bn, self.out = (
+            nn.Linear(32, 64),
+            nn.Linear(64, 64),
+            nn.BatchNorm1d(64),
+            nn.Linear(64, 4),
+        )
 
     def forward(self, x: torch.Tensor, use_b: bool = True) -> torch.Tensor:
         h = torch.relu(self.a(x))
@@ -143,7 +148,9 @@ def world_of_one(device: torch.device) -> dist.ProcessGroup:
     return make_gloo_group(dist.HashStore(), 0, 1, 60)
 
 
-def steps(ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int, **kwargs: Any) -> None:
+def steps(
+    ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int, **kwargs: Any
+) -> None:
     for _ in range(n):
         opt.zero_grad(set_to_none=True)
         ddp(x, **kwargs).float().pow(2).mean().backward()
@@ -153,13 +160,18 @@ def steps(ddp: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, n: int, *
 @check("A1 construction with defaults on the group's device")
 def construction(group: dist.ProcessGroup, device: torch.device) -> dict:
     ddp = gradsync.DistributedDataParallel(mlp().to(device), process_group=group)
-    return {"buckets": len(ddp.reducer.buckets), "device": str(ddp.reducer.buckets[0].buffer.device)}
+    return {
+        "buckets": len(ddp.reducer.buckets),
+        "device": str(ddp.reducer.buckets[0].buffer.device),
+    }
 
 
 @check("A2 step path under set_sync_debug_mode('error')")
 def no_host_sync(group: dist.ProcessGroup, device: torch.device) -> Any:
     if device.type != "cuda":
-        return "SKIP", {"why": "CUDA only (tests/threaded/test_device_paths.py is the CPU stand-in)"}
+        return "SKIP", {
+            "why": "CUDA only (tests/threaded/test_device_paths.py is the CPU stand-in)"
+        }
     figures = {}
     for name, kwargs, finite, zero in SYNC_FREE:
         ddp, opt, x = _sync_free_setup(group, device, kwargs, finite, zero)
@@ -181,7 +193,12 @@ SYNC_FREE: list[tuple[str, dict, bool, dict | None]] = [
     ("find_unused_parameters", {"find_unused_parameters": True}, False, None),
     ("NaN check (read back deferred)", {}, True, None),
     ("ZeRO-2 (sharded gradients, SGD momentum)", SMALL, False, {}),
-    ("ZeRO-2 stepping inside backward (overlap_with_ddp)", SMALL, False, {"overlap_with_ddp": True}),
+    (
+        "ZeRO-2 stepping inside backward (overlap_with_ddp)",
+        SMALL,
+        False,
+        {"overlap_with_ddp": True},
+    ),
     ("ZeRO-2 gathers overlapped with forward", SMALL, False, {"overlap_param_gather": True}),
     ("ZeRO-1 over the wrapper", SMALL, False, {"shard_gradients": False}),
 ]
@@ -192,9 +209,13 @@ def _sync_free_setup(group: dist.ProcessGroup, device: torch.device, kwargs: dic
     model = Branchy().to(device)
     ddp = gradsync.DistributedDataParallel(model, process_group=group, **kwargs)
     ddp.reducer.configure(check_accumulation=True, check_finite=finite)
-    opt = (torch.optim.SGD(model.parameters(), lr=0.01) if zero is None else
-           gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
-                                            lr=0.01, momentum=0.9, **zero))
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.01)
+        if zero is None
+        else gradsync.ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=group, lr=0.01, momentum=0.9, **zero
+        )
+    )
     return ddp, opt, torch.randn(16, 32, device=device)
 
 
@@ -210,9 +231,11 @@ def late_hook(group: dist.ProcessGroup, device: torch.device) -> dict:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 if side is not None:
                     side.wait_stream(torch.cuda.current_stream())
-                    torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time before the result is ready
+                    # ~tens of ms of GPU time before the result is ready
+                    torch.cuda._sleep(50_000_000)
                 t.mul_(2)
-            if side is not None:  # the hook's duty: the Future covers the current stream's work only
+            # the hook's duty: the Future covers the current stream's work only
+            if side is not None:
                 torch.cuda.current_stream().wait_stream(side)
             return t
 
@@ -225,8 +248,13 @@ def late_hook(group: dist.ProcessGroup, device: torch.device) -> dict:
     ddp = gradsync.DistributedDataParallel(model, process_group=group)
     ddp.register_comm_hook(None, doubling_late)
     ddp(x).pow(2).mean().backward()
-    worst = max((p.grad - 2 * r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
-    assert worst < 1e-5, f"gradients written back before the hook's stream finished: off by {worst:.3g}"
+    worst = max(
+        (p.grad - 2 * r.grad).abs().max().item()
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
+    assert worst < 1e-5, (
+        f"gradients written back before the hook's stream finished: off by {worst:.3g}"
+    )
     return {"max_abs_error": worst}
 
 
@@ -244,7 +272,10 @@ def side_stream(group: dist.ProcessGroup, device: torch.device) -> Any:
         torch.cuda._sleep(20_000_000)  # the side stream lags: a missing wait would read zeros
         ddp(x).pow(2).mean().backward()
     torch.cuda.current_stream().wait_stream(s)
-    worst = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    worst = max(
+        (p.grad - r.grad).abs().max().item()
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
     assert worst < 1e-5, f"bucket copied before the side stream's gradients: off by {worst:.3g}"
     return {"max_abs_error": worst, "buckets": len(ddp.reducer.buckets)}
 
@@ -344,7 +375,10 @@ def many_buckets(group: dist.ProcessGroup, device: torch.device) -> dict:
     for _ in range(2):
         model.zero_grad(set_to_none=True)
         ddp(x).pow(2).mean().backward()
-    worst = max((p.grad - r.grad).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    worst = max(
+        (p.grad - r.grad).abs().max().item()
+        for p, r in zip(model.parameters(), reference.parameters())
+    )
     assert len(ddp.reducer.buckets) == 256 and worst < 1e-6
     return {"buckets": len(ddp.reducer.buckets), "max_abs_error": worst}
 
@@ -353,12 +387,16 @@ def many_buckets(group: dist.ProcessGroup, device: torch.device) -> dict:
 def zero_sharded(group: dist.ProcessGroup, device: torch.device) -> dict:
     model, reference = mlp().to(device), mlp().to(device)
     ddp = gradsync.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05)
-    opt = gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3)
+    opt = gradsync.ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3
+    )
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     x = torch.randn(16, 256, device=device)
     steps(ddp, opt, x, 5)
     steps(reference, plain, x, 5)
-    worst = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
+    worst = max(
+        (p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())
+    )
     assert opt.shards_gradients and worst == 0.0, f"differs from plain AdamW by {worst:.3g}"
     return {"buckets": len(ddp.reducer.buckets), "reduced_by": ddp.reducer.shards_reduced_by,
             "max_abs_diff_vs_plain_adamw": worst}
@@ -369,7 +407,9 @@ def zero_compressed(group: dist.ProcessGroup, device: torch.device) -> dict:
     model, reference = mlp().to(device), mlp().to(device)
     ddp = gradsync.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.05)
     ddp.register_comm_hook(group, default_hooks.bf16_compress_hook)
-    opt = gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3)
+    opt = gradsync.ZeroRedundancyOptimizer(
+        model.parameters(), torch.optim.AdamW, process_group=group, lr=1e-3
+    )
     plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     x = torch.randn(16, 256, device=device)
     steps(ddp, opt, x, 5)
@@ -379,13 +419,20 @@ def zero_compressed(group: dist.ProcessGroup, device: torch.device) -> dict:
         for p in reference.parameters():
             p.grad.copy_(p.grad.to(torch.bfloat16))
         plain.step()
-    worst = max((p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters()))
-    assert opt.shards_gradients and worst == 0.0, f"differs from AdamW on bf16-rounded gradients by {worst:.3g}"
+    worst = max(
+        (p - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())
+    )
+    assert opt.shards_gradients and worst == 0.0, (
+        f"differs from AdamW on bf16-rounded gradients by {worst:.3g}"
+    )
     return {"buckets": len(ddp.reducer.buckets), "reduced_by": ddp.reducer.shards_reduced_by,
             "max_abs_diff_vs_reference": worst}
 
 
-@check("A8 step time against torch's DDP: GPT-2-small shape, bf16 autocast (gradsync bench --device cuda)")
+@check(
+    "A8 step time against torch's DDP: GPT-2-small shape, "
+    "bf16 autocast (gradsync bench --device cuda)"
+)
 def step_time(group: dist.ProcessGroup, device: torch.device, quick: bool) -> Any:
     """`gradsync bench --device cuda`'s GPT-2-small, in this process's world of one: torch's
     DDP twice, gradsync by default, with bucket views and with find_unused_parameters."""
@@ -398,8 +445,11 @@ def step_time(group: dist.ProcessGroup, device: torch.device, quick: bool) -> An
     ratios = {k: round(v["ratio"], 3) for k, v in data["pairs"].items()}
     worst = max(v for k, v in ratios.items() if k.startswith("gradsync") and "/ no DDP" not in k)
     same = max(data["max_param_diff_to_torch"].values())
-    figures = {"ms_per_step": {k: round(v, 2) for k, v in data["median_ms"].items()}, "ratios": ratios,
-               "max_param_diff_to_torch": same}
+    figures = {
+        "ms_per_step": {k: round(v, 2) for k, v in data["median_ms"].items()},
+        "ratios": ratios,
+        "max_param_diff_to_torch": same,
+    }
     return ("PASS" if worst <= 1.03 and same == 0.0 else "FAIL"), figures
 
 
@@ -421,8 +471,10 @@ PARITY = {
 B_STEPS, B_LR, B_MOMENTUM = 5, 0.05, 0.9
 COLLECTIVE_TIMEOUT = 30.0  # s, each case's groups: a case that hangs fails alone
 BARRIER_TIMEOUT = 120.0  # s, ranks meet between trainings: longer than a collective's timeout
-TORCH_MP_ON_CPU = ("torch's DDP mixed precision needs device events ('cpu backend doesn't support events'): "
-                   "on CPU gradsync's is checked against the reference alone")
+TORCH_MP_ON_CPU = (
+    "torch's DDP mixed precision needs device events ('cpu backend doesn't support events'): "
+    "on CPU gradsync's is checked against the reference alone"
+)
 
 
 def _b_name(case: str, device: torch.device) -> str:
@@ -432,14 +484,24 @@ def _b_name(case: str, device: torch.device) -> str:
 def _mixed_policy() -> Any:
     from torch.nn.parallel.distributed import _MixedPrecision
 
-    return _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    return _MixedPrecision(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16
+    )
 
 
-def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device, spec: dict) -> tuple[list, int]:
+def _train(
+    rank: int, group: dist.ProcessGroup, cls: type, device: torch.device, spec: dict
+) -> tuple[list, int]:
     """B_STEPS steps of SGD with momentum on this rank's data; parameters then float buffers, on CPU."""
     spec = dict(spec)
-    hook, mixed, branch, no_sync = spec.pop("hook", None), spec.pop("mixed", False), spec.pop("branch", False), spec.pop("no_sync", False)
-    zero = spec.pop("zero", False) and cls is gradsync.DistributedDataParallel  # torch's side: plain SGD
+    hook, mixed, branch, no_sync = (
+        spec.pop("hook", None),
+        spec.pop("mixed", False),
+        spec.pop("branch", False),
+        spec.pop("no_sync", False),
+    )
+    # torch's side: plain SGD
+    zero = spec.pop("zero", False) and cls is gradsync.DistributedDataParallel
     inside, warm_up = spec.pop("inside", False), spec.pop("warm_up", False)
     model = seeded(Branchy, 0).to(device)
     if mixed:  # torch's DDP policy, taken by both (torch's needs device events: CUDA only)
@@ -447,7 +509,9 @@ def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device,
     ddp = cls(model, process_group=group, **spec)
     if warm_up:  # one iteration, then parameters and buffers as they were: its buckets are rebuilt
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        ddp(torch.randn(8, 32, generator=torch.Generator().manual_seed(100 + rank)).to(device)).float().pow(2).mean().backward()
+        ddp(
+            torch.randn(8, 32, generator=torch.Generator().manual_seed(100 + rank)).to(device)
+        ).float().pow(2).mean().backward()
         with torch.no_grad():
             for k, v in model.state_dict().items():
                 v.copy_(before[k])
@@ -455,12 +519,28 @@ def _train(rank: int, group: dist.ProcessGroup, cls: type, device: torch.device,
     if hook == "fp16":
         ddp.register_comm_hook(group, default_hooks.fp16_compress_hook)
     elif hook == "powersgd":
-        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=2, start_powerSGD_iter=2,
-                                   min_compression_rate=0.5, use_error_feedback=True, warm_start=True, random_seed=0)
+        state = psgd.PowerSGDState(
+            process_group=group,
+            matrix_approximation_rank=2,
+            start_powerSGD_iter=2,
+            min_compression_rate=0.5,
+            use_error_feedback=True,
+            warm_start=True,
+            random_seed=0,
+        )
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-    opt = (gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=B_LR,
-                                            momentum=B_MOMENTUM, overlap_with_ddp=inside) if zero
-           else torch.optim.SGD(model.parameters(), lr=B_LR, momentum=B_MOMENTUM))
+    opt = (
+        gradsync.ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            process_group=group,
+            lr=B_LR,
+            momentum=B_MOMENTUM,
+            overlap_with_ddp=inside,
+        )
+        if zero
+        else torch.optim.SGD(model.parameters(), lr=B_LR, momentum=B_MOMENTUM)
+    )
     gen = torch.Generator().manual_seed(rank)
     for step in range(B_STEPS):
         opt.zero_grad(set_to_none=True)
@@ -498,7 +578,10 @@ def _mixed_reference(device: torch.device) -> tuple[list, int]:
         per_rank = []
         for r in range(2):
             x = torch.randn(8, 32, generator=gens[r]).to(device)
-            low = {n: p.detach().to(torch.bfloat16).requires_grad_() for n, p in model.named_parameters()}
+            low = {
+                n: p.detach().to(torch.bfloat16).requires_grad_()
+                for n, p in model.named_parameters()
+            }
             out = functional_call(model, {**low, **buffers[r]}, (x.to(torch.bfloat16),))
             grads = torch.autograd.grad(out.float().pow(2).mean(), [low[n] for n in names])
             per_rank.append([g.to(torch.float32) for g in grads])
@@ -524,27 +607,42 @@ def _runs(spec: dict, device: torch.device) -> list[tuple[str, Any]]:
     """The trainings of one case: gradsync's and torch's; for mixed precision, where torch's runs,
     torch's twice (is it deterministic?) and once more after a warm-up iteration (see WARMED),
     and the single-process reference."""
-    runs: list[tuple[str, Any]] = [("gradsync", gradsync.DistributedDataParallel), ("torch", TorchDDP)]
+    runs: list[tuple[str, Any]] = [
+        ("gradsync", gradsync.DistributedDataParallel),
+        ("torch", TorchDDP),
+    ]
     if spec.get("mixed"):
-        runs = runs[:1] if device.type != "cuda" else [*runs, ("torch again", TorchDDP), (WARMED, TorchDDP)]
+        runs = (
+            runs[:1]
+            if device.type != "cuda"
+            else [*runs, ("torch again", TorchDDP), (WARMED, TorchDDP)]
+        )
         runs.append(("reference", None))
     return runs
 
 
-def _parity_ranks(rank: int, group: dist.ProcessGroup, device_type: str, cases: list[str], store_path: str,
-                  out_dir: str) -> int:
+def _parity_ranks(
+    rank: int,
+    group: dist.ProcessGroup,
+    device_type: str,
+    cases: list[str],
+    store_path: str,
+    out_dir: str,
+) -> int:
     """Every (B) case in this one rank process, each training on gloo groups of its own (a case
     that breaks its group or hangs fails alone); a case's results are written to out_dir as soon
     as it is done, so a crash or the deadline loses only the cases not yet reached."""
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    else:  # two ranks' thread pools on a few shared cores spin against each other (40 ms BatchNorms)
+    # two ranks' thread pools on a few shared cores spin against each other (40 ms BatchNorms)
+    else:
         torch.set_num_threads(1)
     store = dist.FileStore(store_path, 2)
     groups: list[dist.ProcessGroup] = []
     gc.collect()
-    gc.freeze()  # torch's and the script's objects: the collections between trainings skip them (0.3 s each)
+    # torch's and the script's objects: the collections between trainings skip them (0.3 s each)
+    gc.freeze()
     for i, case in enumerate(cases):
         spec = PARITY[case]
         record: dict[str, Any] = {"results": {}, "errors": {}, "seconds": {}}
@@ -558,14 +656,20 @@ def _parity_ranks(rank: int, group: dist.ProcessGroup, device_type: str, cases: 
                 if cls is None:
                     record["results"][label] = _mixed_reference(device)
                 else:
-                    sub = make_gloo_group(dist.PrefixStore(f"case{i}/{label}", store), rank, 2, COLLECTIVE_TIMEOUT)
+                    sub = make_gloo_group(
+                        dist.PrefixStore(f"case{i}/{label}", store), rank, 2, COLLECTIVE_TIMEOUT
+                    )
                     # Kept until the process ends: a hook's Future callback (PowerSGD's) can
                     # drop the last reference to its state on gloo's own thread, and a group
                     # destroyed there aborts the process ("Resource deadlock avoided").
                     groups.append(sub)
-                    record["results"][label] = _train(rank, sub, cls, device, {**spec, "warm_up": label == WARMED})
+                    record["results"][label] = _train(
+                        rank, sub, cls, device, {**spec, "warm_up": label == WARMED}
+                    )
             except Exception as error:  # noqa: BLE001 - reported per case; the others go on
-                record["errors"][label] = f"{type(error).__name__}: {error}"[:600] + "\n" + traceback.format_exc()[-1200:]
+                record["errors"][label] = (
+                    f"{type(error).__name__}: {error}"[:600] + "\n" + traceback.format_exc()[-1200:]
+                )
             finally:
                 gc.enable()
                 gc.collect()
@@ -584,15 +688,24 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     return max(((x - y).abs().max().item() for x, y in zip(a, b)), default=0.0)
 
 
-def _judge(case: str, spec: dict, device: torch.device, ranks: list[dict | None], crash: str | None) -> Any:
+def _judge(
+    case: str, spec: dict, device: torch.device, ranks: list[dict | None], crash: str | None
+) -> Any:
     """PASS/FAIL and figures for one case; a training that raised fails the case, and every
     difference the trainings that did finish allow is reported with it."""
     if any(r is None for r in ranks):
-        return "FAIL", {"error": f"case not reached or not written by every rank ({crash or 'no reason given'})"}
+        return "FAIL", {
+            "error": f"case not reached or not written by every rank ({crash or 'no reason given'})"
+        }
     done = [r["results"] for r in ranks]  # type: ignore[index]
-    results = [{label: r[label] for label in done[0] if label in done[1]} for r in done]  # finished on both
+    # finished on both
+    results = [{label: r[label] for label in done[0] if label in done[1]} for r in done]
     figures: dict[str, Any] = {"seconds_in_ranks": ranks[0]["seconds"]}  # type: ignore[index]
-    errors = {f"rank {k} {label}": e for k, r in enumerate(ranks) for label, e in r["errors"].items()}  # type: ignore[union-attr]
+    errors = {
+        f"rank {k} {label}": e
+        for k, r in enumerate(ranks)
+        for label, e in r["errors"].items()  # type: ignore[union-attr]
+    }
     if errors:
         figures["errors"] = {k: v.split("\n")[0] for k, v in errors.items()}
         figures["trace"] = next(iter(errors.values()))
@@ -606,21 +719,36 @@ def _judge(case: str, spec: dict, device: torch.device, ranks: list[dict | None]
         worst = max(_max_diff(r["gradsync"][0], r["torch"][0]) for r in results)
         across = _max_diff(results[0]["gradsync"][0][:n], results[1]["gradsync"][0][:n])
         torch_across = _max_diff(results[0]["torch"][0][:n], results[1]["torch"][0][:n])
-        figures.update({"max_abs_diff_vs_torch": worst, "across_ranks": across, "torch_across_ranks": torch_across})
+        figures.update(
+            {
+                "max_abs_diff_vs_torch": worst,
+                "across_ranks": across,
+                "torch_across_ranks": torch_across,
+            }
+        )
         status = "PASS" if worst <= tolerance and across == 0.0 else "FAIL"
         if status == "FAIL":
-            figures["error"] = f"differs from torch by {worst:.3g} (tolerance {tolerance:g}), across ranks by {across:.3g}"
+            figures["error"] = (
+                f"differs from torch by {worst:.3g} (tolerance "
+                f"{tolerance:g}), across ranks by {across:.3g}"
+            )
     else:
         status = "FAIL"
     return ("FAIL" if errors else status), figures
 
 
-def _judge_mixed(present: Any, results: list[dict], tolerance: float, figures: dict) -> tuple[str, dict]:
+def _judge_mixed(
+    present: Any, results: list[dict], tolerance: float, figures: dict
+) -> tuple[str, dict]:
     """All pairwise max |diff| of the parameters (worst rank), and of the buffers between the
     wrappers; PASS when gradsync's equals torch's (self-consistent), or the reference where
     torch's after a warm-up iteration equals the reference, or torch's is not self-consistent,
     or does not run."""
-    labels = [label for label in ("gradsync", "torch", "torch again", WARMED, "reference") if label in present]
+    labels = [
+        label
+        for label in ("gradsync", "torch", "torch again", WARMED, "reference")
+        if label in present
+    ]
     pairs: dict[str, float] = {}
     buffers: dict[str, float] = {}
     for i, a in enumerate(labels):
@@ -629,9 +757,16 @@ def _judge_mixed(present: Any, results: list[dict], tolerance: float, figures: d
             pairs[f"{a} vs {b}"] = max(_max_diff(r[a][0][:n], r[b][0][:n]) for r in results)
             if "reference" not in (a, b):
                 buffers[f"{a} vs {b}"] = max(_max_diff(r[a][0][n:], r[b][0][n:]) for r in results)
-    across = {label: _max_diff(results[0][label][0][:results[0][label][1]], results[1][label][0][:results[1][label][1]])
-              for label in labels}
-    figures.update({"params_max_abs_diff": pairs, "buffers_max_abs_diff": buffers, "across_ranks": across})
+    across = {
+        label: _max_diff(
+            results[0][label][0][: results[0][label][1]],
+            results[1][label][0][: results[1][label][1]],
+        )
+        for label in labels
+    }
+    figures.update(
+        {"params_max_abs_diff": pairs, "buffers_max_abs_diff": buffers, "across_ranks": across}
+    )
     if "torch" not in labels and "torch" not in str(figures.get("errors")):
         figures["torch"] = "skipped: " + TORCH_MP_ON_CPU
     inf = float("inf")
@@ -640,7 +775,9 @@ def _judge_mixed(present: Any, results: list[dict], tolerance: float, figures: d
     warmed_ok = pairs.get(f"{WARMED} vs reference", inf) <= tolerance
     if consistent and pairs.get("gradsync vs torch", inf) <= tolerance:
         judged_by, diff = "torch's (self-consistent)", pairs["gradsync vs torch"]
-    elif "gradsync vs reference" in pairs and (warmed_ok or (twice and not consistent) or "torch" in figures):
+    elif "gradsync vs reference" in pairs and (
+        warmed_ok or (twice and not consistent) or "torch" in figures
+    ):
         why = ("torch's after a warm-up iteration equals it" if warmed_ok else
                "torch's differs from itself" if twice else "torch's does not run here")
         judged_by, diff = f"reference ({why})", pairs["gradsync vs reference"]
@@ -668,7 +805,15 @@ def parity(device: torch.device, timeout: float) -> None:
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check-b-") as tmp:
         try:
-            run_processes(_parity_ranks, 2, device.type, cases, os.path.join(tmp, "store"), tmp, timeout=timeout)
+            run_processes(
+                _parity_ranks,
+                2,
+                device.type,
+                cases,
+                os.path.join(tmp, "store"),
+                tmp,
+                timeout=timeout,
+            )
         except Exception as error:  # noqa: BLE001 - the cases written so far are still reported
             crash = f"{type(error).__name__}: {error}"[:600]
         ranks: dict[int, list[dict | None]] = {}
@@ -697,25 +842,46 @@ B_SUMMARY: dict[str, Any] = {}
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="fewer timing rounds")
     parser.add_argument("--out", default=str(ROOT / "out" / "gpu_check.json"))
-    parser.add_argument("--only", action="append", default=[], metavar="WORDS",
-                        help="run only these checks (repeatable), for a rerun: an id (A3; A or B for a "
-                             "whole half) or words of a check's name ('mixed precision')")
-    parser.add_argument("--b-timeout", type=float, default=240.0, metavar="S",
-                        help="deadline for the (B) pair of rank processes; cases done by then are reported")
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="WORDS",
+        help=(
+            "run only these checks (repeatable), for a rerun: an id (A3; A or B for a "
+            "whole half) or words of a check's name ('mixed precision')"
+        ),
+    )
+    parser.add_argument(
+        "--b-timeout",
+        type=float,
+        default=240.0,
+        metavar="S",
+        help="deadline for the (B) pair of rank processes; cases done by then are reported",
+    )
     args = parser.parse_args()
     ONLY.extend(args.only)
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("FAIL  no CUDA device visible to torch (use --device cpu to run the checks' logic on CPU)")
+        print(
+            "FAIL  no CUDA device visible to torch (use "
+            "--device cpu to run the checks' logic on CPU)"
+        )
         return 1
     device = torch.device("cuda", 0) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-        print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(device)}, "
-              f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}", flush=True)
+        print(
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, "
+            f"{torch.cuda.get_device_name(device)}, "
+            f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}",
+            flush=True,
+        )
     start = time.perf_counter()
     if any(selected(name) for name in CHECKS):  # the (A) checks, declared above
         group = world_of_one(device)
@@ -733,9 +899,16 @@ def main() -> int:
     if dist.is_initialized():
         dist.destroy_process_group()
     failed = [r["check"] for r in RESULTS if r["status"] == "FAIL"]
-    summary = {"device": str(device), "torch": torch.__version__, "seconds": round(time.perf_counter() - start, 1),
-               "passed": sum(r["status"] == "PASS" for r in RESULTS), "failed": failed,
-               "skipped": sum(r["status"] == "SKIP" for r in RESULTS), "b_pair": B_SUMMARY, "checks": RESULTS}
+    summary = {
+        "device": str(device),
+        "torch": torch.__version__,
+        "seconds": round(time.perf_counter() - start, 1),
+        "passed": sum(r["status"] == "PASS" for r in RESULTS),
+        "failed": failed,
+        "skipped": sum(r["status"] == "SKIP" for r in RESULTS),
+        "b_pair": B_SUMMARY,
+        "checks": RESULTS,
+    }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))
     print(f"{'FAIL' if failed else 'PASS'}: {summary['passed']} passed, {len(failed)} failed, "

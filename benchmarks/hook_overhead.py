@@ -64,7 +64,9 @@ def main() -> None:
     x = torch.randn(4, 16)
     variants = {
         "torch DDP": step_timer(TorchDDP(make_model(), process_group=group), x, args.repeat),
-        "torch DDP (again)": step_timer(TorchDDP(make_model(), process_group=group), x, args.repeat),
+        "torch DDP (again)": step_timer(
+            TorchDDP(make_model(), process_group=group), x, args.repeat
+        ),
         "gradsync DDP": step_timer(GradsyncDDP(make_model(), process_group=group), x, args.repeat),
         "gradsync DDP, events off": step_timer(
             GradsyncDDP(make_model(), process_group=group), x, args.repeat, events=False
@@ -73,7 +75,9 @@ def main() -> None:
     }
     if args.before:
         before = load_before(args.before)
-        variants["gradsync before"] = step_timer(before(make_model(), process_group=group), x, args.repeat)
+        variants["gradsync before"] = step_timer(
+            before(make_model(), process_group=group), x, args.repeat
+        )
     result = interleave(variants, rounds=args.rounds, warmup=2)
     print(f"step time, {2 * LAYERS} parameter tensors, world size 1, {args.rounds} rounds:\n")
     print(markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3))
@@ -85,8 +89,10 @@ def main() -> None:
     print(f"\nalways-on event recording: {(on - off) / on:+.1%} of the step "
           f"(paired ratio {result.paired_ratio('gradsync DDP', 'gradsync DDP, events off'):.3f})")
     if args.before:
-        print(f"now / before, paired: {result.paired_ratio('gradsync DDP', 'gradsync before'):.3f}; "
-              f"A/A: {result.paired_ratio('torch DDP (again)', 'torch DDP'):.3f}")
+        print(
+            f"now / before, paired: {result.paired_ratio('gradsync DDP', 'gradsync before'):.3f}; "
+            f"A/A: {result.paired_ratio('torch DDP (again)', 'torch DDP'):.3f}"
+        )
 
 
 def load_before(src: str) -> type:

@@ -51,9 +51,15 @@ def child(variant: str, model: str, steps: int) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     work = bench.builtin_workload(model, 0, True, "inductor")
     net = copy.deepcopy(work.model)
-    wrapped = bench._wrap(variant, net, torch.device("cpu"), None, gradsync_ddp=gradsync.DistributedDataParallel)
-    step = bench._training_step(work, wrapped, torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False),
-                                torch.device("cpu"))
+    wrapped = bench._wrap(
+        variant, net, torch.device("cpu"), None, gradsync_ddp=gradsync.DistributedDataParallel
+    )
+    step = bench._training_step(
+        work,
+        wrapped,
+        torch.optim.AdamW(net.parameters(), lr=1e-4, foreach=False),
+        torch.device("cpu"),
+    )
     for _ in range(8):  # past the one-time rebuild and the first iterations' bookkeeping
         step()
     print("ready", flush=True)
@@ -68,8 +74,11 @@ def child(variant: str, model: str, steps: int) -> None:
 def _this_trees_devicebench() -> Any:
     """`gradsync.tools.devicebench` of this tree, loaded under a name of its own, so that a tree
     from before it existed (`--against`) is measured on the same models and step."""
-    spec = importlib.util.spec_from_file_location("gradsync_bench_models", HERE / "gradsync" / "__init__.py",
-                                                  submodule_search_locations=[str(HERE / "gradsync")])
+    spec = importlib.util.spec_from_file_location(
+        "gradsync_bench_models",
+        HERE / "gradsync" / "__init__.py",
+        submodule_search_locations=[str(HERE / "gradsync")],
+    )
     assert spec is not None and spec.loader is not None
     package = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = package
@@ -81,18 +90,37 @@ def count(variant: str, model: str, steps: int, src: str, cache: bool) -> dict[s
     """Run one variant under callgrind; the events it collected over the measured steps."""
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "valgrind.log"
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--log-file={log}",
-                   f"--callgrind-out-file={tmp}/callgrind.out", *(["--cache-sim=yes"] if cache else []),
-                   sys.executable, __file__, "--child", variant, "--model", model, "--steps", str(steps)]
+        command = [
+            "valgrind",
+            "--tool=callgrind",
+            "--instr-atstart=no",
+            f"--log-file={log}",
+            f"--callgrind-out-file={tmp}/callgrind.out",
+            *(["--cache-sim=yes"] if cache else []),
+            sys.executable,
+            __file__,
+            "--child",
+            variant,
+            "--model",
+            model,
+            "--steps",
+            str(steps),
+        ]
         env = {**os.environ, "PYTHONPATH": src}
-        with subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env) as proc:
+        with subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env
+        ) as proc:
             assert proc.stdin is not None and proc.stdout is not None
             _expect(proc, "ready", log)
-            subprocess.run(["callgrind_control", "--instr=on", str(proc.pid)], check=True, capture_output=True)
+            subprocess.run(
+                ["callgrind_control", "--instr=on", str(proc.pid)], check=True, capture_output=True
+            )
             proc.stdin.write("go\n")
             proc.stdin.flush()
             _expect(proc, "done", log)
-            subprocess.run(["callgrind_control", "--instr=off", str(proc.pid)], check=True, capture_output=True)
+            subprocess.run(
+                ["callgrind_control", "--instr=off", str(proc.pid)], check=True, capture_output=True
+            )
             proc.stdin.write("exit\n")
             proc.stdin.flush()
             proc.wait(timeout=300)
@@ -109,7 +137,9 @@ def _expect(proc: subprocess.Popen, word: str, log: Path, timeout: float = 1200)
     line = proc.stdout.readline().strip() if ready else f"nothing in {timeout:.0f} s"
     if line != word:
         tail = log.read_text()[-2000:] if log.exists() else ""
-        raise RuntimeError(f"the variant's process said {line!r}, not {word!r}; valgrind's log ends:\n{tail}")
+        raise RuntimeError(
+            f"the variant's process said {line!r}, not {word!r}; valgrind's log ends:\n{tail}"
+        )
 
 
 def _collected(log: str) -> dict[str, int]:
@@ -123,11 +153,18 @@ def _collected(log: str) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt2_small", help="gpt2_small or gpt_many (eager, tiny shapes)")
+    parser.add_argument(
+        "--model", default="gpt2_small", help="gpt2_small or gpt_many (eager, tiny shapes)"
+    )
     parser.add_argument("--steps", type=int, default=10, help="steps counted per variant")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
-                        help=f"comma-separated, from {', '.join(VARIANTS)}, 'torch DDP find_unused', "
-                             "'gradsync as_view', 'gradsync find_unused', 'gradsync no events'")
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS),
+        help=(
+            f"comma-separated, from {', '.join(VARIANTS)}, 'torch DDP find_unused', "
+            "'gradsync as_view', 'gradsync find_unused', 'gradsync no events'"
+        ),
+    )
     parser.add_argument("--against", help="another tree's src directory: its gradsync counted too")
     parser.add_argument("--cache-sim", action="store_true", help="count cache misses too (slower)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -143,19 +180,35 @@ def main() -> None:
     if args.against:
         runs += [(v, args.against, f"{v} (against)") for v in variants if v.startswith("gradsync")]
     with ThreadPoolExecutor(2) as pool:  # two cores: two processes
-        counts = list(pool.map(lambda r: count(r[0], args.model, args.steps, r[1], args.cache_sim), runs))
-    per_step = {label: {k: n / args.steps for k, n in c.items()} for (_, _, label), c in zip(runs, counts)}
+        counts = list(
+            pool.map(lambda r: count(r[0], args.model, args.steps, r[1], args.cache_sim), runs)
+        )
+    per_step = {
+        label: {k: n / args.steps for k, n in c.items()} for (_, _, label), c in zip(runs, counts)
+    }
     floor = per_step["no DDP"]["Ir"]
-    print(f"{args.model}, tiny shapes, world size 1, {args.steps} steps counted per variant: instructions "
-          "per step; a wrapper's work over no DDP, and its ratio to torch's DDP's with the same options")
+    print(
+        f"{args.model}, tiny shapes, world size 1, {args.steps} steps "
+        "counted per variant: instructions per step; a wrapper's work over no DDP, "
+        "and its ratio to torch's DDP's with the same options"
+    )
     for label, c in per_step.items():
         over = c["Ir"] - floor
-        reference = "torch DDP find_unused" if "find_unused" in label and "torch DDP find_unused" in per_step \
+        reference = (
+            "torch DDP find_unused"
+            if "find_unused" in label and "torch DDP find_unused" in per_step
             else "torch DDP"
+        )
         torch_over = per_step[reference]["Ir"] - floor
-        ratio = f"  / {reference}'s: {over / torch_over:.3f}" if label != "no DDP" and torch_over > 0 else ""
+        ratio = (
+            f"  / {reference}'s: {over / torch_over:.3f}"
+            if label != "no DDP" and torch_over > 0
+            else ""
+        )
         extra = "  ".join(f"{k} {v:,.0f}" for k, v in c.items() if k != "Ir")
-        print(f"  {label:32s} {c['Ir']:>14,.0f}  over no DDP {over:>11,.0f}{ratio}  {extra}".rstrip())
+        print(
+            f"  {label:32s} {c['Ir']:>14,.0f}  over no DDP {over:>11,.0f}{ratio}  {extra}".rstrip()
+        )
 
 
 if __name__ == "__main__":

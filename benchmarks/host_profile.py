@@ -63,8 +63,10 @@ def profile(name: str, work, device: torch.device, steps: int, top: int) -> None
     for (file, _line, fn), (_cc, nc, _tt, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         if "torch/cuda" in file or "gradsync" in file:
             calls[f"{Path(file).parent.name}/{Path(file).name}:{fn}"] = nc / steps
-    print(f"\n=== {name}: {work.name}, {sum(1 for _ in model.parameters())} parameter tensors: "
-          f"host {host * 1e3:.2f} ms/step under cProfile (wall with the device drained {wall * 1e3:.2f})")
+    print(
+        f"\n=== {name}: {work.name}, {sum(1 for _ in model.parameters())} parameter tensors: host "
+        f"{host * 1e3:.2f} ms/step under cProfile (wall with the device drained {wall * 1e3:.2f})"
+    )
     busiest = sorted(calls.items(), key=lambda kv: -kv[1])[:15]
     print("calls per step (torch.cuda, gradsync): " + "; ".join(f"{k} {v:.0f}" for k, v in busiest))
     print("\n".join(out.getvalue().splitlines()[:top + 12]))
@@ -82,9 +84,13 @@ def _drain(device: torch.device) -> None:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
-    parser.add_argument("--model", action="append", default=[], help="gpt2_small, gpt_many (repeatable)")
+    parser.add_argument(
+        "--model", action="append", default=[], help="gpt2_small, gpt_many (repeatable)"
+    )
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--top", type=int, default=18)

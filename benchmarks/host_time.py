@@ -64,30 +64,52 @@ def measure(args: argparse.Namespace) -> dict[str, tuple[float, float, float, fl
     wall = interleave({name: variant(name) for name in VARIANTS}, args.rounds)
     dist.destroy_process_group()
     base = VARIANTS[0]
-    return {n: (wall.median(n), cpu.median(n), wall.paired_ratio(n, base), cpu.paired_ratio(n, base))
-            for n in VARIANTS}
+    return {
+        n: (wall.median(n), cpu.median(n), wall.paired_ratio(n, base), cpu.paired_ratio(n, base))
+        for n in VARIANTS
+    }
 
 def alternate(args: argparse.Namespace) -> None:
     """This tree and `--against`, in alternating processes: gradsync / torch's DDP, and A/A."""
     here = str(Path(__file__).resolve().parents[1] / "src")
     for run in range(args.runs):
         for label, src in (("against", args.against), ("this tree", here)):
-            command = [sys.executable, __file__, "--model", args.model, "--rounds", str(args.rounds),
-                       "--steps", str(args.steps), "--quiet"]
-            out = subprocess.run(command, env={**os.environ, "PYTHONPATH": src}, capture_output=True,
-                                 text=True, check=True).stdout.split()
-            print(f"run {run + 1} {label:9s} {args.model}: gradsync / torch's DDP {out[0]} (CPU {out[1]}), "
-                  f"A/A {out[2]} (CPU {out[3]})", flush=True)
+            command = [
+                sys.executable,
+                __file__,
+                "--model",
+                args.model,
+                "--rounds",
+                str(args.rounds),
+                "--steps",
+                str(args.steps),
+                "--quiet",
+            ]
+            out = subprocess.run(
+                command,
+                env={**os.environ, "PYTHONPATH": src},
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.split()
+            print(
+                f"run {run + 1} {label:9s} {args.model}: gradsync / torch's "
+                f"DDP {out[0]} (CPU {out[1]}), A/A {out[2]} (CPU {out[3]})",
+                flush=True,
+            )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="gpt2_small", help="gpt2_small or gpt_many (eager, tiny shapes)")
+    parser.add_argument(
+        "--model", default="gpt2_small", help="gpt2_small or gpt_many (eager, tiny shapes)"
+    )
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40, help="steps per variant per round")
     parser.add_argument("--against", help="another tree's src directory to alternate with")
     parser.add_argument("--runs", type=int, default=3, help="alternations with --against")
-    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)  # for --against's children
+    # for --against's children
+    parser.add_argument("--quiet", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.against:
         alternate(args)

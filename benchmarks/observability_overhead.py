@@ -44,7 +44,11 @@ def bench_rank(rank: int, group, model_name: str, rounds: int, repeat: int):
         "gradsync + watchdog": _variant(make, _with_watchdog, repeat),
     }
     result = interleave(variants, rounds=rounds, warmup=1)
-    return markdown_table(result, "gradsync (events on)", "gradsync (again)", "ms", 1e3) if rank == 0 else None
+    return (
+        markdown_table(result, "gradsync (events on)", "gradsync (again)", "ms", 1e3)
+        if rank == 0
+        else None
+    )
 
 
 def main() -> None:
@@ -54,7 +58,9 @@ def main() -> None:
     parser.add_argument("--models", default="many_small,convnet")
     args = parser.parse_args()
     for name in args.models.split(","):
-        table = run_processes(bench_rank, 2, name, args.rounds, args.repeat, timeout=1800, default_group=True)[0]
+        table = run_processes(
+            bench_rank, 2, name, args.rounds, args.repeat, timeout=1800, default_group=True
+        )[0]
         print(f"\n### {name}: world size 2, {args.rounds} rounds x {args.repeat} steps\n")
         print(table, flush=True)
 

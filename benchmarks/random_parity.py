@@ -27,14 +27,18 @@ from fuzz import Case, run_case  # noqa: E402
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--cases", type=int, default=1000, help="how many seeds to run")
     parser.add_argument("--first", type=int, default=0, help="the first seed")
     parser.add_argument("--seed", type=int, default=None, help="run this one case and print it")
     parser.add_argument("--out", default="out/random_parity.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    seeds = [args.seed] if args.seed is not None else list(range(args.first, args.first + args.cases))
+    seeds = (
+        [args.seed] if args.seed is not None else list(range(args.first, args.first + args.cases))
+    )
     failing: dict[int, list[str]] = {}
     covered: collections.Counter[str] = collections.Counter()
     start = time.perf_counter()
@@ -50,7 +54,10 @@ def main() -> int:
             print(f"seed {seed}: {len(problems)} differences (rerun: {case.rerun()})\n  "
                   + "\n  ".join(problems[:5]), flush=True)
         if n % 100 == 0:
-            print(f"  {n} cases, {len(failing)} mismatches, {time.perf_counter() - start:.0f} s", flush=True)
+            print(
+                f"  {n} cases, {len(failing)} mismatches, {time.perf_counter() - start:.0f} s",
+                flush=True,
+            )
     elapsed = time.perf_counter() - start
     summary = {
         "cases": len(seeds),

@@ -69,10 +69,14 @@ from gradsync.testing import make_gloo_group, run_processes
 HOOKS: dict[str, tuple[Any, Any]] = {
     "none": (None, None),
     "torch allreduce_hook (both)": (torch_hooks.allreduce_hook, torch_hooks.allreduce_hook),
-    "torch fp16_compress_hook (both)": (torch_hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook),
+    "torch fp16_compress_hook (both)": (
+        torch_hooks.fp16_compress_hook,
+        torch_hooks.fp16_compress_hook,
+    ),
     "gradsync allreduce_hook vs torch's": (comm_hooks.allreduce_hook, torch_hooks.allreduce_hook),
     "gradsync fp16_compress_hook vs torch's": (
-        comm_hooks.fp16_compress_hook, torch_hooks.fp16_compress_hook,
+        comm_hooks.fp16_compress_hook,
+        torch_hooks.fp16_compress_hook,
     ),
     "gradsync fp16_compress_wrapper(allreduce) vs torch's": (
         comm_hooks.fp16_compress_wrapper(comm_hooks.allreduce_hook),
@@ -304,7 +308,9 @@ class RankSoak:
         if hooks != expected:
             self.leaks.append({"iteration": iteration, "what": "gradsync autograd hooks per "
                                "parameter after wrapping", "got": hooks, "expected": expected})
-        self.epochs.append({**wrap, "start_iteration": iteration, "gradsync_buckets": self.pair.buckets})
+        self.epochs.append(
+            {**wrap, "start_iteration": iteration, "gradsync_buckets": self.pair.buckets}
+        )
 
     def drop_pair(self, iteration: int) -> None:
         """Free the wrappers and check nothing of them survives a garbage collection."""
@@ -352,7 +358,9 @@ class RankSoak:
         params = [*self.ours_model.parameters(), *self.theirs_model.parameters()]
         sums = all_gather_objects(self.group, checksum(params))
         if len(set(sums)) != 1:
-            self.record_mismatch(iteration, f"parameters differ across ranks: checksums {sums}", "", None)
+            self.record_mismatch(
+                iteration, f"parameters differ across ranks: checksums {sums}", "", None
+            )
         self.memory.append(memory_sample(iteration, "check"))
 
     def record_mismatch(self, iteration: int, what: str, name: str, diff: float | None) -> None:
@@ -364,7 +372,9 @@ class RankSoak:
         """After a reported mismatch, copy torch's state over gradsync's, so later checks see
         new differences rather than the old one carried forward."""
         with torch.no_grad():
-            for a, b in zip(self.ours_model.state_dict().values(), self.theirs_model.state_dict().values()):
+            for a, b in zip(
+                self.ours_model.state_dict().values(), self.theirs_model.state_dict().values()
+            ):
                 a.copy_(b)
 
     def result(self, wall_s: float, iters: int) -> dict[str, Any]:
@@ -467,7 +477,9 @@ def memory_verdict(samples: list[dict[str, Any]], iters: int, limit_mb: float) -
     }
 
 
-def summarise(results: list[dict[str, Any]], opts: argparse.Namespace, wall_s: float) -> dict[str, Any]:
+def summarise(
+    results: list[dict[str, Any]], opts: argparse.Namespace, wall_s: float
+) -> dict[str, Any]:
     memory = [memory_verdict(r["memory"], opts.iters, opts.rss_growth_mb) for r in results]
     mismatches = [m for r in results for m in r["mismatches"]]
     leaks = [{"rank": r["rank"], **leak} for r in results for leak in r["leaks"]]
@@ -505,9 +517,9 @@ def markdown(s: dict[str, Any]) -> str:
         "",
         f"- date: {s['date']}; torch {s['torch']}",
         f"- command: `{s['command'] or 'soak.main(...)'}`",
-        f"- {s['iterations']} iterations at world size {s['world_size']}: "
-        f"{s['micro_steps']} micro-steps per rank, {s['no_sync_micro_steps']} of them under "
-        f"no_sync, {s['micro_steps_with_unused_branches']} with branches unused on some or all ranks",
+        f"- {s['iterations']} iterations at world size {s['world_size']}: {s['micro_steps']} "
+        f"micro-steps per rank, {s['no_sync_micro_steps']} of them under no_sync, "
+        f"{s['micro_steps_with_unused_branches']} with branches unused on some or all ranks",
         f"- wall time {s['wall_s']:.1f} s (training loop {s['loop_wall_s']:.1f} s, "
         f"{s['it_per_s']:.1f} it/s)",
         f"- {s['checks']} checks against torch's DDP: max |param diff| {s['max_param_diff']:.3g}, "
@@ -528,16 +540,18 @@ def markdown(s: dict[str, Any]) -> str:
         "",
         "## Memory per rank (MB; baseline = first check at or after 10 % of the run)",
         "",
-        "| rank | RSS start | RSS baseline (iter) | RSS end | growth | RSS after teardown | high-water | "
-        "gc objects baseline → end | fds | threads | flat |",
+        "| rank | RSS start | RSS baseline (iter) | RSS end | growth | RSS after "
+        "teardown | high-water | gc objects baseline → end | fds | threads | flat |",
         "|---:|---:|---:|---:|---:|---:|---:|---|---|---|---|",
     ]
     lines += [
-        f"| {r} | {m['rss_start_mb']:.1f} | {m['rss_baseline_mb']:.1f} ({m['baseline_iteration']}) | "
-        f"{m['rss_end_mb']:.1f} | {m['rss_growth_mb']:+.1f} | {m['rss_after_teardown_mb']:.1f} | "
-        f"{m['hwm_mb']:.1f} | "
-        f"{m['gc_objects_baseline']} → {m['gc_objects_end']} | {m['fds_baseline']} → {m['fds_end']} | "
-        f"{m['threads_baseline']} → {m['threads_end']} | {m['flat']} |"
+        (
+            f"| {r} | {m['rss_start_mb']:.1f} | {m['rss_baseline_mb']:.1f} "
+            f"({m['baseline_iteration']}) | {m['rss_end_mb']:.1f} | {m['rss_growth_mb']:+.1f} "
+            f"| {m['rss_after_teardown_mb']:.1f} | {m['hwm_mb']:.1f} | "
+            f"{m['gc_objects_baseline']} → {m['gc_objects_end']} | {m['fds_baseline']} → "
+            f"{m['fds_end']} | {m['threads_baseline']} → {m['threads_end']} | {m['flat']} |"
+        )
         for r, m in enumerate(s["memory"])
     ]
     for title, items in (("Mismatches", s["mismatches"]), ("Leaks", s["leaks"])):
@@ -550,7 +564,10 @@ def print_summary(s: dict[str, Any], out: Path) -> None:
     print(f"\ngradsync soak: {s['iterations']} iterations, world size {s['world_size']}, "
           f"{s['micro_steps']} micro-steps per rank ({s['no_sync_micro_steps']} no_sync), "
           f"{len(s['epochs'])} wraps")
-    print(f"  wall time: {s['wall_s']:.1f} s (loop {s['loop_wall_s']:.1f} s, {s['it_per_s']:.1f} it/s)")
+    print(
+        f"  wall time: {s['wall_s']:.1f} s (loop "
+        f"{s['loop_wall_s']:.1f} s, {s['it_per_s']:.1f} it/s)"
+    )
     print(f"  max |param diff| vs torch DDP: {s['max_param_diff']:.3g}; "
           f"max |grad diff|: {s['max_grad_diff']:.3g} (tolerance {s['tolerance']:g})")
     for m in s["mismatches"][:10]:
@@ -571,7 +588,9 @@ def print_summary(s: dict[str, Any], out: Path) -> None:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--iters", type=int, default=3000, help="optimizer steps (default 3000)")
     parser.add_argument("--world-size", type=int, default=3)
     parser.add_argument("--check-every", type=int, default=100, help="iterations between checks")

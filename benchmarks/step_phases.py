@@ -22,8 +22,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-VARIANTS = ("torch", "gradsync", "zero-1", "zero-2", "zero-2-overlapped", "zero-2-inside", "torch-again", "torch-zero",
-            "torch-zero-1", "zero-1-views")
+VARIANTS = (
+    "torch",
+    "gradsync",
+    "zero-1",
+    "zero-2",
+    "zero-2-overlapped",
+    "zero-2-inside",
+    "torch-again",
+    "torch-zero",
+    "torch-zero-1",
+    "zero-1-views",
+)
 PHASES = ("zero_grad", "forward", "backward", "step", "total")
 
 
@@ -36,11 +46,16 @@ def _build(name: str, model_name: str, rank: int):
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
     kw = {"lr": 1e-3, "weight_decay": 0.01}
-    if name.startswith("torch"):  # torch's DDP, with torch's optimizers or gradsync's ZeRO-1 ("torch-zero-1")
+    # torch's DDP, with torch's optimizers or gradsync's ZeRO-1 ("torch-zero-1")
+    if name.startswith("torch"):
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
-        opt = (TorchZero(model.parameters(), torch.optim.AdamW, **kw) if name == "torch-zero"
-               else ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw) if name == "torch-zero-1"
-               else torch.optim.AdamW(model.parameters(), **kw))
+        opt = (
+            TorchZero(model.parameters(), torch.optim.AdamW, **kw)
+            if name == "torch-zero"
+            else ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+            if name == "torch-zero-1"
+            else torch.optim.AdamW(model.parameters(), **kw)
+        )
     else:
         wrapped = DistributedDataParallel(model)
         opt = (torch.optim.AdamW(model.parameters(), **kw) if name == "gradsync" else
@@ -88,8 +103,14 @@ def _worker(rank: int, args: argparse.Namespace) -> None:
         print(f"{args.model}: median ms per step on rank 0, {args.rounds - 3} rounds x 5 steps")
         print(f"{'variant':20}" + "".join(f"{p:>10}" for p in PHASES) + "  vs torch")
         for name in names:
-            ratio = statistics.median(a / b for a, b in zip(times[name]["total"], times[names[0]]["total"]))
-            print(f"{name:20}" + "".join(f"{statistics.median(times[name][p]):10.2f}" for p in PHASES) + f"  {ratio:8.3f}")
+            ratio = statistics.median(
+                a / b for a, b in zip(times[name]["total"], times[names[0]]["total"])
+            )
+            print(
+                f"{name:20}"
+                + "".join(f"{statistics.median(times[name][p]):10.2f}" for p in PHASES)
+                + f"  {ratio:8.3f}"
+            )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -98,7 +119,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="tiny_gpt")
     parser.add_argument("--rounds", type=int, default=40)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated; the first is the reference")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help="comma-separated; the first is the reference"
+    )
     parser.add_argument("--port", type=int, default=29541)
     args = parser.parse_args()
     unknown = [v for v in args.variants.split(",") if v not in VARIANTS]

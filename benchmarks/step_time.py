@@ -64,14 +64,18 @@ def bench_rank(rank: int, group, model_name: str, rounds: int, repeat: int):
         "torch DDP (again)": _variant(make, lambda m: TorchDDP(m, process_group=group), repeat),
         "gradsync DDP": _variant(make, lambda m: GradsyncDDP(m, process_group=group), repeat),
         "gradsync as_view": _variant(
-            make, lambda m: GradsyncDDP(m, process_group=group, gradient_as_bucket_view=True), repeat
+            make,
+            lambda m: GradsyncDDP(m, process_group=group, gradient_as_bucket_view=True),
+            repeat,
         ),
         "gradsync planned (auto)": _variant(
             make, lambda m: GradsyncDDP(m, process_group=group, bucket_cap_mb="auto"), repeat
         ),
     }
     result = interleave(variants, rounds=rounds, warmup=1)
-    return markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3) if rank == 0 else None
+    return (
+        markdown_table(result, "torch DDP", "torch DDP (again)", "ms", 1e3) if rank == 0 else None
+    )
 
 
 def main() -> None:
@@ -82,7 +86,9 @@ def main() -> None:
     args = parser.parse_args()
     for name in args.models.split(","):
         table = run_processes(bench_rank, 2, name, args.rounds, args.repeat, timeout=1200)[0]
-        print(f"\n### {name}: step time at world size 2, {args.rounds} rounds x {args.repeat} steps\n")
+        print(
+            f"\n### {name}: step time at world size 2, {args.rounds} rounds x {args.repeat} steps\n"
+        )
         print(table, flush=True)
 
 

@@ -75,7 +75,9 @@ def _host(ranks: int):
     return Host(ranks=ranks, cores=os.cpu_count() or 1, cpu_collectives=True)
 
 
-def _cluster_host(hosts: int, cores: int | None = None, share: float = 0.0, bandwidth_gbps: float = 1.0):
+def _cluster_host(
+    hosts: int, cores: int | None = None, share: float = 0.0, bandwidth_gbps: float = 1.0
+):
     """The emulated cluster as the simulator sees it: one rank per host, gloo waiting on the
     link rather than the CPU (`cpu_collectives=False`: never saturated). But every host is a
     namespace of this one machine: they all share its `cores`, so with more hosts than cores
@@ -143,7 +145,11 @@ def _measure_model(name: str, steps: int, rounds: int, cluster: bool = False,
     # no overlap is one bucket, launched when the last gradient is ready.
     load = contention = None
     if cluster:  # how much of the cores an all-reduce in flight takes from compute
-        contention = measure_contention(dist.group.WORLD, _contention_bytes(sum(profile.nbytes)), repeats=7)  # type: ignore[arg-type]
+        contention = measure_contention(
+            dist.group.WORLD,  # type: ignore[arg-type]
+            _contention_bytes(sum(profile.nbytes)),
+            repeats=7,
+        )
     if planned is None:
         if cluster:
             network = Network.from_cost(cost, world)
@@ -151,7 +157,9 @@ def _measure_model(name: str, steps: int, rounds: int, cluster: bool = False,
             (prediction,) = simulate(profile, network, [world], host)
         else:
             load = probe_under_load(dist.group.WORLD, sizes=sizes)  # type: ignore[arg-type]
-            (prediction,) = simulate(profile, Network.from_cost(cost, world), [world], _host(world), {world: load})
+            (prediction,) = simulate(
+                profile, Network.from_cost(cost, world), [world], _host(world), {world: load}
+            )
         planned = [[profile.names[p] for p in b] for b in prediction.planned_layout]
     index = {n: i for i, n in enumerate(default.reducer.names)}
     layouts["planned"].reducer.install_layout([[index[n] for n in b] for b in planned])
@@ -171,11 +179,18 @@ def _measure_model(name: str, steps: int, rounds: int, cluster: bool = False,
         "planned_buckets": len(planned),
     }
     if load is not None:
-        result["load"] = {"cost": [load.cost.alpha_ms, load.cost.beta_ms_per_byte], "compute_ms": load.compute_ms,
-                          "step_ms": load.step_ms}
+        result["load"] = {
+            "cost": [load.cost.alpha_ms, load.cost.beta_ms_per_byte],
+            "compute_ms": load.compute_ms,
+            "step_ms": load.step_ms,
+        }
     if contention is not None:
-        result["contention"] = {"compute_ms": contention.compute_ms, "allreduce_ms": contention.allreduce_ms,
-                                "together_ms": contention.together_ms, "share": contention.share}
+        result["contention"] = {
+            "compute_ms": contention.compute_ms,
+            "allreduce_ms": contention.allreduce_ms,
+            "together_ms": contention.together_ms,
+            "share": contention.share,
+        }
     if cluster:
         result["planned_layout"] = planned
     return result
@@ -189,7 +204,9 @@ def worker(models: list[str], steps: int, rounds: int, out: str, cluster: bool =
     try:
         results = {m: _measure_model(m, steps, rounds, cluster, planned.get(m)) for m in models}
         if dist.get_rank() == 0:
-            Path(out).write_text(json.dumps({"world_size": dist.get_world_size(), "models": results}))
+            Path(out).write_text(
+                json.dumps({"world_size": dist.get_world_size(), "models": results})
+            )
         dist.barrier()
     finally:
         dist.destroy_process_group()
@@ -211,8 +228,15 @@ def _profile(run: dict):
     from gradsync.planning.simulate import Profile
 
     p = run["profile"]
-    return Profile(p["forward_ms"], tuple(p["ready_ms"]), tuple(p["nbytes"]), tuple(p["names"]), p["world_size"],
-                   p.get("fill_ms_per_byte", 0.0), p.get("tail_ms", 0.0))
+    return Profile(
+        p["forward_ms"],
+        tuple(p["ready_ms"]),
+        tuple(p["nbytes"]),
+        tuple(p["names"]),
+        p["world_size"],
+        p.get("fill_ms_per_byte", 0.0),
+        p.get("tail_ms", 0.0),
+    )
 
 
 def predict(source: dict, ranks: int, host, target: dict | None) -> dict[str, float]:
@@ -231,14 +255,25 @@ def predict(source: dict, ranks: int, host, target: dict | None) -> dict[str, fl
     else:
         network = Network.from_cost(CostModel(*source["cost"]), profile.world_size)
     (pred,) = simulate(profile, network, [ranks], host, loads)
-    return {"default": pred.default_ms, "planned": pred.planned_ms, "no overlap": pred.no_overlap_ms}
+    return {
+        "default": pred.default_ms,
+        "planned": pred.planned_ms,
+        "no overlap": pred.no_overlap_ms,
+    }
 
 
 MODES = {
-    "2-rank profile, machine probed": "the 2-rank run's profile; the probes of the predicted rank count",
-    "same run": "the profile and probes of the run predicted (at 3 and 4 ranks the profile was recorded "
-                "on oversubscribed cores, where a rank's own timings already hold part of the stretch, unevenly)",
-    "all from 2 ranks": "the 2-rank run's profile and idle probe, extrapolated (ring formula, fair-share stretch)",
+    "2-rank profile, machine probed": (
+        "the 2-rank run's profile; the probes of the predicted rank count"
+    ),
+    "same run": (
+        "the profile and probes of the run predicted (at 3 and 4 ranks "
+        "the profile was recorded on oversubscribed cores, "
+        "where a rank's own timings already hold part of the stretch, unevenly)"
+    ),
+    "all from 2 ranks": (
+        "the 2-rank run's profile and idle probe, extrapolated (ring formula, fair-share stretch)"
+    ),
 }
 
 
@@ -261,7 +296,9 @@ def _predictions(runs: dict[int, dict], host) -> dict[tuple[str, int, str, str],
     return out
 
 
-def report(repeats: list[dict[int, dict]]) -> tuple[str, dict[str, list[float]], list[dict[str, float]], float]:
+def report(
+    repeats: list[dict[int, dict]],
+) -> tuple[str, dict[str, list[float]], list[dict[str, float]], float]:
     """The table (medians over repeats), the absolute relative errors per prediction mode
     (every repeat's prediction against that repeat's measurement), each repeat's median error
     per mode, and the noise floor: the median |a / b - 1| between two repeats' measurements of
@@ -272,10 +309,12 @@ def report(repeats: list[dict[int, dict]]) -> tuple[str, dict[str, list[float]],
     per_repeat: list[dict[str, float]] = []
     noise = []
     lines = [
-        f"Host: {os.cpu_count()} cores shared by all ranks; torch {torch.__version__}, gloo on 127.0.0.1; "
-        f"{len(repeats)} independent repeats, medians shown.",
+        f"Host: {os.cpu_count()} cores shared by all ranks; torch {torch.__version__}, "
+        f"gloo on 127.0.0.1; {len(repeats)} independent repeats, medians shown.",
         "",
-        "| model | ranks | layout | measured ms (min-max) | " + " | ".join(f"{m}: predicted (error)" for m in MODES) + " |",
+        "| model | ranks | layout | measured ms (min-max) | "
+        + " | ".join(f"{m}: predicted (error)" for m in MODES)
+        + " |",
         "|---|---:|---|---:|" + "---:|" * len(MODES),
     ]
     for runs, pred in zip(repeats, predicted):
@@ -294,46 +333,95 @@ def report(repeats: list[dict[int, dict]]) -> tuple[str, dict[str, list[float]],
                 m = statistics.median(measured)
                 cells = []
                 for mode in MODES:
-                    guesses = [p[(model, n, layout, mode)] for p in predicted if (model, n, layout, mode) in p]
+                    guesses = [
+                        p[(model, n, layout, mode)]
+                        for p in predicted
+                        if (model, n, layout, mode) in p
+                    ]
                     if not guesses:
                         cells.append("-")
                         continue
                     g = statistics.median(guesses)
                     cells.append(f"{g:.2f} ({g / m - 1:+.0%})")
-                lines.append(f"| {model} | {n} | {layout} | {m:.2f} ({min(measured):.1f}-{max(measured):.1f}) | "
-                             + " | ".join(cells) + " |")
+                lines.append(
+                    (
+                        f"| {model} | {n} | {layout} | {m:.2f} "
+                        f"({min(measured):.1f}-{max(measured):.1f}) | "
+                    )
+                    + " | ".join(cells)
+                    + " |"
+                )
     return "\n".join(lines), errors, per_repeat, statistics.median(noise) if noise else float("nan")
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--cluster", action="store_true",
                     help="network mode: on emulated hosts (gradsync.tools.cluster), one rank each")
     ap.add_argument("--ranks", default="2,3,4", help="loopback mode: rank counts (default 2,3,4)")
-    ap.add_argument("--links", default="1gbit,2gbit,4gbit",
-                    help=f"--cluster: link rates at 2 hosts (default 1gbit,2gbit,4gbit; {REFERENCE[1]} is the reference)")
-    ap.add_argument("--hosts", default="3", help=f"--cluster: host counts also measured, at {REFERENCE[1]} (default 3)")
+    ap.add_argument(
+        "--links",
+        default="1gbit,2gbit,4gbit",
+        help=(
+            "--cluster: link rates at 2 hosts (default 1gbit,2gbit,4gbit; "
+            f"{REFERENCE[1]} is the reference)"
+        ),
+    )
+    ap.add_argument(
+        "--hosts",
+        default="3",
+        help=f"--cluster: host counts also measured, at {REFERENCE[1]} (default 3)",
+    )
     ap.add_argument("--models", default=None,
                     help=f"default: {LOOPBACK_MODELS}; with --cluster, {CLUSTER_MODELS}")
-    ap.add_argument("--steps", type=int, default=None, help="steps per layout per round (at most 16; default 12, "
-                    f"--cluster {CLUSTER_STEPS})")
-    ap.add_argument("--rounds", type=int, default=None, help="rounds, the layouts interleaved (default 4, "
-                    f"--cluster {CLUSTER_ROUNDS})")
-    ap.add_argument("--repeat", type=int, default=None, help="independent repeats of the whole validation "
-                    f"(default 3, --cluster {CLUSTER_REPEAT})")
-    ap.add_argument("--out", default=None, help="folder for validation.md and .json (default docs/simulator, "
-                    "--cluster docs/simulator/cluster)")
-    ap.add_argument("--case-timeout", type=float, default=600.0,
-                    help="--cluster: seconds before one case's run is killed on every host (default 600)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"steps per layout per round (at most 16; default 12, --cluster {CLUSTER_STEPS})",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help=f"rounds, the layouts interleaved (default 4, --cluster {CLUSTER_ROUNDS})",
+    )
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help=f"independent repeats of the whole validation (default 3, --cluster {CLUSTER_REPEAT})",
+    )
+    ap.add_argument(
+        "--out",
+        default=None,
+        help=(
+            "folder for validation.md and .json (default docs/simulator, "
+            "--cluster docs/simulator/cluster)"
+        ),
+    )
+    ap.add_argument(
+        "--case-timeout",
+        type=float,
+        default=600.0,
+        help="--cluster: seconds before one case's run is killed on every host (default 600)",
+    )
     ap.add_argument("--worker", metavar="JSON", help=argparse.SUPPRESS)
     ap.add_argument("--layouts", metavar="JSON", help=argparse.SUPPRESS)
-    ap.add_argument("--from-json", help="report on the measurements of an earlier run (validation.json)")
+    ap.add_argument(
+        "--from-json", help="report on the measurements of an earlier run (validation.json)"
+    )
     args = ap.parse_args(argv)
     if args.from_json:
         data = json.loads(Path(args.from_json).read_text())
         args.cluster = isinstance(data, dict) and data.get("mode") == "cluster"
-    defaults = ((CLUSTER_MODELS, CLUSTER_STEPS, CLUSTER_ROUNDS, CLUSTER_REPEAT, "docs/simulator/cluster")
-                if args.cluster else (LOOPBACK_MODELS, 12, 4, 3, "docs/simulator"))
+    defaults = (
+        (CLUSTER_MODELS, CLUSTER_STEPS, CLUSTER_ROUNDS, CLUSTER_REPEAT, "docs/simulator/cluster")
+        if args.cluster
+        else (LOOPBACK_MODELS, 12, 4, 3, "docs/simulator")
+    )
     for field, value in zip(("models", "steps", "rounds", "repeat", "out"), defaults):
         if getattr(args, field) is None:
             setattr(args, field, value)
@@ -344,8 +432,13 @@ def main(argv: list[str] | None = None) -> None:
     out = Path(args.out)
     if args.cluster:
         if not args.from_json:
-            data = {"mode": "cluster", "reference": list(REFERENCE), "cores": os.cpu_count() or 1,
-                    "torch": torch.__version__, "repeats": [measure_cluster(args) for _ in range(args.repeat)]}
+            data = {
+                "mode": "cluster",
+                "reference": list(REFERENCE),
+                "cores": os.cpu_count() or 1,
+                "torch": torch.__version__,
+                "repeats": [measure_cluster(args) for _ in range(args.repeat)],
+            }
         text = cluster_report(data)
         out.mkdir(parents=True, exist_ok=True)
         (out / "validation.md").write_text(text)
@@ -353,7 +446,9 @@ def main(argv: list[str] | None = None) -> None:
         print(text)
         return
     if args.from_json:
-        repeats = [{int(k): v for k, v in r.items()} for r in (data if isinstance(data, list) else [data])]
+        repeats = [
+            {int(k): v for k, v in r.items()} for r in (data if isinstance(data, list) else [data])
+        ]
     else:
         repeats = [measure(args) for _ in range(args.repeat)]
     table, errors, per_repeat, noise = report(repeats)
@@ -365,11 +460,12 @@ def main(argv: list[str] | None = None) -> None:
     )
     out.mkdir(parents=True, exist_ok=True)
     modes = "\n".join(f"- {mode}: {what}" for mode, what in MODES.items())
-    text = (f"# Simulator against real runs\n\n`{' '.join(['python', *sys.argv])}`\n\n"
-            f"Predictions from:\n\n{modes}\n\n{table}\n\n"
-            f"Prediction error, |predicted / measured - 1|, every repeat's prediction against its own "
-            f"measurement:\n\n{summary}\n\nNoise floor: two repeats' measurements of the same case differ "
-            f"by {noise:.0%} (median |a / b - 1|).\n")
+    text = (
+        f"# Simulator against real runs\n\n`{' '.join(['python', *sys.argv])}`\n\nPredictions "
+        f"from:\n\n{modes}\n\n{table}\n\nPrediction error, |predicted / measured - 1|, "
+        f"every repeat's prediction against its own measurement:\n\n{summary}\n\nNoise floor: "
+        f"two repeats' measurements of the same case differ by {noise:.0%} (median |a / b - 1|).\n"
+    )
     (out / "validation.md").write_text(text)
     (out / "validation.json").write_text(json.dumps(repeats))
     print(text)
@@ -388,20 +484,28 @@ def cluster_cases(links: str, hosts: str) -> list[tuple[int, str]]:
     """(hosts, link) measured, the reference first: 2 hosts at each rate, then each host count
     at the reference rate."""
     cases = [REFERENCE]
-    for case in [(2, link) for link in links.split(",") if link] + [(int(h), REFERENCE[1]) for h in hosts.split(",") if h]:
+    for case in [(2, link) for link in links.split(",") if link] + [
+        (int(h), REFERENCE[1]) for h in hosts.split(",") if h
+    ]:
         if not any(_same_case(case, c) for c in cases):
             cases.append(case)
     return cases
 
 
 CLUSTER_MODES = {
-    "network + contention": "the reference's network, and the share of the cores a collective in flight took "
-                            "there (`measure_contention`, as CPU per GB/s of link: `Host.with_contention`)",
-    "network only": "the reference's network alone (collectives hide behind compute, taking no CPU)",
+    "network + contention": (
+        "the reference's network, and the share of the cores a collective in flight took "
+        "there (`measure_contention`, as CPU per GB/s of link: `Host.with_contention`)"
+    ),
+    "network only": (
+        "the reference's network alone (collectives hide behind compute, taking no CPU)"
+    ),
 }
 
 
-def cluster_predict(reference: dict, model: str, hosts: int, link: str, cores: int, contended: bool = True):
+def cluster_predict(
+    reference: dict, model: str, hosts: int, link: str, cores: int, contended: bool = True
+):
     """`model` on `hosts` hosts at `link`, from the reference run alone: its profile (slowest
     rank) and idle probe as a ring network, the bandwidth scaled by the link rate over the
     reference's (latency kept), compute stretched where hosts outnumber the machine's cores;
@@ -415,7 +519,9 @@ def cluster_predict(reference: dict, model: str, hosts: int, link: str, cores: i
 
     run = reference["models"][model]
     base = Network.from_cost(CostModel(*run["cost"]), reference["world_size"])
-    network = replace(base, bandwidth_gbps=base.bandwidth_gbps * parse_rate(link) / parse_rate(reference["link"]))
+    network = replace(
+        base, bandwidth_gbps=base.bandwidth_gbps * parse_rate(link) / parse_rate(reference["link"])
+    )
     share = run.get("contention", {}).get("share", 0.0) if contended else 0.0
     measured = _cluster_host(reference["world_size"], cores, share, base.bandwidth_gbps)
     host = replace(_cluster_host(hosts, cores), comm_cores_per_gbps=measured.comm_cores_per_gbps)
@@ -438,7 +544,9 @@ def measure_cluster(args: argparse.Namespace) -> list[dict]:
             if runs:
                 reference, layouts = runs[0], {}
                 for m in models:
-                    prediction, _, _ = cluster_predict(reference, m, hosts, link, os.cpu_count() or 1)
+                    prediction, _, _ = cluster_predict(
+                        reference, m, hosts, link, os.cpu_count() or 1
+                    )
                     names = _profile(reference["models"][m]).names
                     layouts[m] = [[names[p] for p in b] for b in prediction.planned_layout]
                 Path(tmp, "layouts.json").write_text(json.dumps(layouts))
@@ -447,7 +555,10 @@ def measure_cluster(args: argparse.Namespace) -> list[dict]:
             with EmulatedCluster(hosts=hosts, link=link) as cluster:
                 done = cluster.torchrun(argv, nproc_per_host=1, timeout=args.case_timeout)
             if not os.path.exists(path):
-                outputs = "\n".join(f"--- host {i} (exit {d.returncode}):\n{d.stdout[-2000:]}" for i, d in enumerate(done))
+                outputs = "\n".join(
+                    f"--- host {i} (exit {d.returncode}):\n{d.stdout[-2000:]}"
+                    for i, d in enumerate(done)
+                )
                 raise SystemExit(f"{hosts} hosts at {link} failed:\n{outputs}")
             run = {**json.loads(Path(path).read_text()), "hosts": hosts, "link": link,
                    "seconds": time.monotonic() - start}
@@ -478,12 +589,21 @@ def cluster_report(data: dict) -> str:
     for runs in repeats:
         ref, mine = find(runs, reference), {mode: [] for mode in CLUSTER_MODES}
         for case in cases:
-            run, which = find(runs, case), "reference case" if _same_case(case, reference) else "extrapolated"
+            run, which = (
+                find(runs, case),
+                "reference case" if _same_case(case, reference) else "extrapolated",
+            )
             for m in models:
                 data_m = run["models"][m]
                 for mode in CLUSTER_MODES:
-                    prediction, network, host = cluster_predict(ref, m, case[0], case[1], cores, mode != "network only")
-                    guesses = (prediction.default_ms, prediction.planned_ms, prediction.no_overlap_ms)
+                    prediction, network, host = cluster_predict(
+                        ref, m, case[0], case[1], cores, mode != "network only"
+                    )
+                    guesses = (
+                        prediction.default_ms,
+                        prediction.planned_ms,
+                        prediction.no_overlap_ms,
+                    )
                     for layout, guess in zip(LAYOUTS, guesses):
                         got = data_m["measured_ms"][layout]
                         predicted.setdefault((m, case, layout, mode), []).append(guess)
@@ -515,26 +635,45 @@ def cluster_report(data: dict) -> str:
                 for mode in CLUSTER_MODES:
                     guess = statistics.median(predicted[(m, case, layout, mode)])
                     cells.append(f"{guess:.1f} ({guess / mid - 1:+.0%})")
-                rows.append(f"| {m} | {case[0]} | {case[1]} | {layout} | {mid:.1f} ({min(got):.1f}-{max(got):.1f}) | "
-                            + " | ".join(cells) + " |")
-    table = ["| model | hosts | link | compute ms: own profile / predicted | whole-gradient all-reduce ms: "
-             "probed there / predicted | contention: measured there / predicted | planned buckets |",
-             "|---|---:|---|---:|---:|---:|---:|"]
+                rows.append(
+                    (
+                        f"| {m} | {case[0]} | {case[1]} | {layout} | "
+                        f"{mid:.1f} ({min(got):.1f}-{max(got):.1f}) | "
+                    )
+                    + " | ".join(cells)
+                    + " |"
+                )
+    table = [
+        "| model | hosts | link | compute ms: own profile / predicted | whole-gradient all-reduce "
+        "ms: probed there / predicted | contention: measured there / predicted | planned buckets |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
     for m in models:
         for case in cases:
             d = [statistics.median(x) for x in zip(*checks[(m, case)])]
-            table.append(f"| {m} | {case[0]} | {case[1]} | {d[0]:.1f} / {d[1]:.1f} | {d[2]:.1f} / {d[3]:.1f} | "
-                         f"{d[4]:.2f} / {d[5]:.2f} | {d[6]:.0f} |")
+            table.append(
+                f"| {m} | {case[0]} | {case[1]} | {d[0]:.1f} / {d[1]:.1f} | "
+                f"{d[2]:.1f} / {d[3]:.1f} | {d[4]:.2f} / {d[5]:.2f} | {d[6]:.0f} |"
+            )
     summary = []
     for mode in CLUSTER_MODES:
         every = errors[(mode, "reference case")] + errors.get((mode, "extrapolated"), [])
-        parts = [f"all {statistics.median(every):.0%} (max {max(every):.0%}, {sum(x <= 0.15 for x in every)} "
-                 f"of {len(every)} within 15 %)"]
-        parts += [f"{which} {statistics.median(e):.0%}" for which in ("reference case", "extrapolated")
-                  if (e := errors.get((mode, which)))]
+        parts = [
+            f"all {statistics.median(every):.0%} (max {max(every):.0%}, "
+            f"{sum(x <= 0.15 for x in every)} of {len(every)} within 15 %)"
+        ]
+        parts += [
+            f"{which} {statistics.median(e):.0%}"
+            for which in ("reference case", "extrapolated")
+            if (e := errors.get((mode, which)))
+        ]
         summary.append(f"- {mode}: median error {', '.join(parts)}; median per repeat "
                        f"{', '.join(f'{e:.0%}' for e in per_repeat[mode])}")
-    floor = f"{statistics.median(noise):.0%} (median |a / b - 1|)" if noise else "not measured (one repeat)"
+    floor = (
+        f"{statistics.median(noise):.0%} (median |a / b - 1|)"
+        if noise
+        else "not measured (one repeat)"
+    )
     modes = "\n".join(f"- {mode}: {what}" for mode, what in CLUSTER_MODES.items())
     ref = f"{reference[0]} hosts at {reference[1]}"
     return f"""# Simulator against the emulated cluster (network mode)
@@ -594,8 +733,21 @@ def measure(args: argparse.Namespace) -> dict[int, dict]:
     with tempfile.TemporaryDirectory() as tmp:
         for n in (int(r) for r in args.ranks.split(",")):
             path = os.path.join(tmp, f"{n}.json")
-            result = run_torchrun(str(HERE), n, ["--models", args.models, "--steps", str(args.steps),
-                                                 "--rounds", str(args.rounds), "--worker", path], timeout=900)
+            result = run_torchrun(
+                str(HERE),
+                n,
+                [
+                    "--models",
+                    args.models,
+                    "--steps",
+                    str(args.steps),
+                    "--rounds",
+                    str(args.rounds),
+                    "--worker",
+                    path,
+                ],
+                timeout=900,
+            )
             if not os.path.exists(path):
                 raise SystemExit(f"{n} ranks failed:\n{result.stdout[-3000:]}")
             runs[n] = json.loads(Path(path).read_text())

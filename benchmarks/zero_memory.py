@@ -31,8 +31,14 @@ import torch.distributed as dist
 
 MIB = 1024 * 1024
 LAYERS, WIDTH, BATCH, STEPS = 16, 1024, 8, 3
-VARIANTS = ["torch DDP + AdamW", "torch ZeroRedundancyOptimizer", "FSDP2 (reshard_after_forward=False)",
-            "gradsync ZeRO-1", "gradsync ZeRO-2", "gradsync ZeRO-2, 4 MiB buckets"]
+VARIANTS = [
+    "torch DDP + AdamW",
+    "torch ZeroRedundancyOptimizer",
+    "FSDP2 (reshard_after_forward=False)",
+    "gradsync ZeRO-1",
+    "gradsync ZeRO-2",
+    "gradsync ZeRO-2, 4 MiB buckets",
+]
 
 
 def _rss() -> int:
@@ -77,7 +83,9 @@ def worker(variant: str) -> None:
     elif variant.startswith("gradsync"):
         from gradsync import DistributedDataParallel
 
-        wrapped = DistributedDataParallel(model, bucket_cap_mb=4 if variant.endswith("4 MiB buckets") else None)
+        wrapped = DistributedDataParallel(
+            model, bucket_cap_mb=4 if variant.endswith("4 MiB buckets") else None
+        )
     else:
         wrapped = torch.nn.parallel.DistributedDataParallel(model)
     wrapper_rss = _rss() - base
@@ -109,23 +117,51 @@ def worker(variant: str) -> None:
     params = _bytes(model.parameters())
     grads = [p.grad for p in model.parameters()]
     reducer = getattr(wrapped, "reducer", None)
-    buckets = [t for b in reducer.buckets for t in (b.wire, b.shard)] if hasattr(reducer, "buckets") else []
+    buckets = (
+        [t for b in reducer.buckets for t in (b.wire, b.shard)]
+        if hasattr(reducer, "buckets")
+        else []
+    )
     grad_bytes = _bytes(grads + buckets)
     if variant in ("torch DDP + AdamW", "torch ZeroRedundancyOptimizer"):
         grad_bytes += wrapper_rss  # torch's C++ buckets, allocated (and touched) at construction
     state = _bytes(t for s in local.state.values() for t in s.values())
     first = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
-    Path(os.environ["ZERO_MEMORY_OUT"], f"rank{rank}.json").write_text(json.dumps({"variant": variant, "world": world, "rank": rank, "params": params / MIB,
-                                  "grads": grad_bytes / MIB, "state": state / MIB, "peak": peak / MIB,
-                                  "peak_with_setup": first / MIB}))
+    Path(os.environ["ZERO_MEMORY_OUT"], f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "variant": variant,
+                "world": world,
+                "rank": rank,
+                "params": params / MIB,
+                "grads": grad_bytes / MIB,
+                "state": state / MIB,
+                "peak": peak / MIB,
+                "peak_with_setup": first / MIB,
+            }
+        )
+    )
     dist.destroy_process_group()
 
 
 def run(world: int, variant: str) -> list[dict]:
     with tempfile.TemporaryDirectory() as folder:
-        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": "1", "ZERO_MEMORY_OUT": folder}
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               __file__, "--variant", variant]
+        env = {
+            **os.environ,
+            "MALLOC_MMAP_THRESHOLD_": "65536",
+            "OMP_NUM_THREADS": "1",
+            "ZERO_MEMORY_OUT": folder,
+        }
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={world}",
+            __file__,
+            "--variant",
+            variant,
+        ]
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
         rows = [json.loads(f.read_text()) for f in sorted(Path(folder).glob("rank*.json"))]
     if out.returncode != 0 or len(rows) != world:
@@ -134,20 +170,33 @@ def run(world: int, variant: str) -> list[dict]:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"Per rank, MiB ({LAYERS} x Linear({WIDTH}, {WIDTH}): {LAYERS * (WIDTH * WIDTH + WIDTH) * 4 / MIB:.1f} MiB "
-             f"of float32 parameters; AdamW; after a backward, between steps; mean over ranks)", "",
-             "| world | variant | parameters | gradients | optimizer state | peak in a step | peak incl. setup |",
-             "|---:|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"Per rank, MiB ({LAYERS} x Linear({WIDTH}, {WIDTH}): "
+        f"{LAYERS * (WIDTH * WIDTH + WIDTH) * 4 / MIB:.1f} MiB of float32 parameters; "
+        "AdamW; after a backward, between steps; mean over ranks)",
+        "",
+        "| world | variant | parameters | gradients | "
+        "optimizer state | peak in a step | peak incl. setup |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
     by = {}
     for r in rows:
         by.setdefault((r["world"], r["variant"]), []).append(r)
     for (world, variant), rs in by.items():
         if "error" in rs[0]:
-            lines.append(f"| {world} | {variant} | did not run: {rs[0]['error'].splitlines()[-1][:80]} | | | | |")
+            lines.append(
+                f"| {world} | {variant} | did not run: "
+                f"{rs[0]['error'].splitlines()[-1][:80]} | | | | |"
+            )
             continue
-        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("params", "grads", "state", "peak", "peak_with_setup")}
-        lines.append(f"| {world} | {variant} | {mean['params']:.1f} | {mean['grads']:.1f} | {mean['state']:.1f} | "
-                     f"{mean['peak']:.1f} | {mean['peak_with_setup']:.1f} |")
+        mean = {
+            k: sum(r[k] for r in rs) / len(rs)
+            for k in ("params", "grads", "state", "peak", "peak_with_setup")
+        }
+        lines.append(
+            f"| {world} | {variant} | {mean['params']:.1f} | {mean['grads']:.1f} | "
+            f"{mean['state']:.1f} | {mean['peak']:.1f} | {mean['peak_with_setup']:.1f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

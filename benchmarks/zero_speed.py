@@ -49,9 +49,14 @@ def _variant(name: str, model_name: str, rank: int, repeat: int, models: dict):
     wrap = {"bucket_cap_mb": int(cap.group(1))} if cap else {}
     if name.startswith("gradsync"):
         wrapped = DistributedDataParallel(model, **wrap)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, shard_gradients="ZeRO-2" in name,
-                                      overlap_param_gather="overlapped" in name,
-                                      overlap_with_ddp="inside backward" in name, **kwargs)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.AdamW,
+            shard_gradients="ZeRO-2" in name,
+            overlap_param_gather="overlapped" in name,
+            overlap_with_ddp="inside backward" in name,
+            **kwargs,
+        )
     else:
         wrapped = torch.nn.parallel.DistributedDataParallel(model, **wrap)
         opt = (TorchZero(model.parameters(), torch.optim.AdamW, **kwargs) if "Zero" in name
@@ -70,7 +75,9 @@ def _variant(name: str, model_name: str, rank: int, repeat: int, models: dict):
     return lambda: timed(step, repeat)
 
 
-def worker(model_names: list[str], rounds: int, repeat: int, out: str | None, names: tuple[str, ...]) -> None:
+def worker(
+    model_names: list[str], rounds: int, repeat: int, out: str | None, names: tuple[str, ...]
+) -> None:
     from gradsync.tools.bench import interleave, markdown_table
 
     dist.init_process_group("gloo")
@@ -78,7 +85,8 @@ def worker(model_names: list[str], rounds: int, repeat: int, out: str | None, na
     # CPU is slow enough to swamp everything else (GPT steps of 0.7-1.4 s, an A/A of 1.5 on the
     # cluster): flushed to zero, for every variant alike.
     torch.set_flush_denormal(True)
-    torch.set_num_threads(1)  # as `gradsync bench`: one core per rank (torchrun sets it only for several per host)
+    # as `gradsync bench`: one core per rank (torchrun sets it only for several per host)
+    torch.set_num_threads(1)
     rank, sections, data = dist.get_rank(), [], {}
     for model_name in model_names:
         models: dict = {}
@@ -91,12 +99,21 @@ def worker(model_names: list[str], rounds: int, repeat: int, out: str | None, na
         same = {v: max((a.detach() - b).abs().max().item() for a, b in zip(m.parameters(), ref))
                 for v, (m, _) in models.items() if v != "torch DDP + AdamW"}
         nbytes = sum(p.numel() * p.element_size() for p in ref)
-        sections.append("\n".join([
-            f"### {model_name}: {nbytes / 2**20:.2f} MiB of parameters, AdamW, world size {dist.get_world_size()}, "
-            f"{rounds} rounds x {repeat} steps", "",
-            markdown_table(result, "torch DDP + AdamW", "torch DDP + AdamW (again)", "ms", 1e3), "",
-            "same parameters as torch DDP + AdamW (max |diff|): " + ", ".join(f"{k} {v:.1e}" for k, v in same.items()),
-        ]))
+        sections.append(
+            "\n".join(
+                [
+                    f"### {model_name}: {nbytes / 2**20:.2f} MiB of parameters, AdamW, "
+                    f"world size {dist.get_world_size()}, {rounds} rounds x {repeat} steps",
+                    "",
+                    markdown_table(
+                        result, "torch DDP + AdamW", "torch DDP + AdamW (again)", "ms", 1e3
+                    ),
+                    "",
+                    "same parameters as torch DDP + AdamW (max |diff|): "
+                    + ", ".join(f"{k} {v:.1e}" for k, v in same.items()),
+                ]
+            )
+        )
         data[model_name] = {"samples": result.samples, "same": same}
     if rank == 0:
         text = "\n\n".join(sections) + "\n"
@@ -111,13 +128,19 @@ def worker(model_names: list[str], rounds: int, repeat: int, out: str | None, na
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--models", default=None, help="comma-separated names from gradsync bench's models")
+    parser.add_argument(
+        "--models", default=None, help="comma-separated names from gradsync bench's models"
+    )
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--hosts", type=int, default=0, help="run on an emulated cluster of N hosts (root)")
+    parser.add_argument(
+        "--hosts", type=int, default=0, help="run on an emulated cluster of N hosts (root)"
+    )
     parser.add_argument("--link", default="2gbit")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--variants", default="", help=f"comma-separated names to add: {', '.join(EXTRA)}")
+    parser.add_argument(
+        "--variants", default="", help=f"comma-separated names to add: {', '.join(EXTRA)}"
+    )
     args = parser.parse_args()
     extra = tuple(v.strip() for v in args.variants.split(",") if v.strip())
     unknown = [v for v in extra if v not in EXTRA]
@@ -127,9 +150,18 @@ def main() -> None:
     if args.worker:
         worker(models.split(","), args.rounds, args.repeat, args.out, VARIANTS + extra)
         return
-    target = [os.path.abspath(__file__), "--worker", "--models", models, "--rounds", str(args.rounds),
-              "--repeat", str(args.repeat), *(["--out", os.path.abspath(args.out)] if args.out else []),
-              *(["--variants", ",".join(extra)] if extra else [])]
+    target = [
+        os.path.abspath(__file__),
+        "--worker",
+        "--models",
+        models,
+        "--rounds",
+        str(args.rounds),
+        "--repeat",
+        str(args.repeat),
+        *(["--out", os.path.abspath(args.out)] if args.out else []),
+        *(["--variants", ",".join(extra)] if extra else []),
+    ]
     if not args.hosts:
         sys.exit(subprocess.call([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   "--nproc-per-node=2", *target]))

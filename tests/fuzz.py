@@ -88,13 +88,21 @@ class Case:
         uses = ("always", "rank") if static else USES[:4]
         blocks = [Block("linear")]
         for _ in range(rng.randint(1, 5)):
-            kind = rng.choice(("linear", "branch", "branch", "frozen", "tied", "double", "embed", "bn"))
+            kind = rng.choice(
+                ("linear", "branch", "branch", "frozen", "tied", "double", "embed", "bn")
+            )
             use = rng.choice(uses) if kind == "branch" else "always"
             aux = "none"
             if kind in ("linear", "branch", "double"):
                 aux = rng.choice(("none", "none") + (uses + ("never",) if static else USES))
-            head = "free" if static and aux in ("never", "rank") else rng.choice(("linear", "linear", "free"))
-            blocks.append(Block(kind, use, aux, head, sparse=kind == "embed" and rng.random() < 0.5))
+            head = (
+                "free"
+                if static and aux in ("never", "rank")
+                else rng.choice(("linear", "linear", "free"))
+            )
+            blocks.append(
+                Block(kind, use, aux, head, sparse=kind == "embed" and rng.random() < 0.5)
+            )
         sparse = any(b.sparse for b in blocks)
         varies = any(b.use != "always" or b.aux not in ("none", "always", "never") for b in blocks)
         left_out = any(b.aux == "never" and b.head == "linear" for b in blocks)
@@ -169,8 +177,12 @@ def _draw_refreeze(case: Case, rng: random.Random) -> Case:
         return case
     refreeze = rng.choice(choices)
     # Not a sparse embedding: torch's DDP raises for any unused sparse gradient.
-    modules = ["inp"] + [f"layers.{i}" for i, b in enumerate(case.blocks) if b.kind != "frozen" and not b.sparse]
-    modules += [f"heads.{i}" for i, b in enumerate(case.blocks) if b.aux != "none" and b.head == "linear"]
+    modules = ["inp"] + [
+        f"layers.{i}" for i, b in enumerate(case.blocks) if b.kind != "frozen" and not b.sparse
+    ]
+    modules += [
+        f"heads.{i}" for i, b in enumerate(case.blocks) if b.aux != "none" and b.head == "linear"
+    ]
     at = 0 if refreeze == "off_first" else rng.randint(1, case.steps - 1)
     return dataclasses.replace(case, refreeze=refreeze, freeze=rng.choice(modules), freeze_at=at)
 
@@ -219,7 +231,9 @@ class Generated(nn.Module):
                 # Channels-last weights of both kinds: (3, 1, 3, 3) is contiguous in both memory
                 # formats, (1, 3, 3, 3) only in channels-last; their gradients' strides must
                 # be torch's (the gradient layout contract).
-                layer = nn.Sequential(nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 1, 3, padding=1))
+                layer = nn.Sequential(
+                    nn.Conv2d(1, 3, 3, padding=1), nn.Tanh(), nn.Conv2d(3, 1, 3, padding=1)
+                )
                 layer.to(memory_format=torch.channels_last)
             elif block.kind == "tied":
                 layer = nn.Linear(d, d, bias=True)
@@ -244,7 +258,9 @@ class Generated(nn.Module):
             elif block.kind == "double":
                 h = h + torch.tanh(layer(h.double())).float()
             elif block.kind == "conv":  # the width as a one-channel 2 x width/2 image
-                image = h.reshape(h.shape[0], 1, 2, -1).contiguous(memory_format=torch.channels_last)
+                image = h.reshape(h.shape[0], 1, 2, -1).contiguous(
+                    memory_format=torch.channels_last
+                )
                 h = torch.tanh(h + layer(image).reshape(h.shape))
             else:
                 h = torch.tanh(layer(h))
@@ -290,18 +306,27 @@ def _register_hook(ddp: Any, case: Case, group: Any) -> None:
     ddp.register_comm_hook(group, hook)
 
 
-def train(wrapper_cls: type, rank: int, group: Any, case: Case, batches: list[torch.Tensor]) -> dict:
+def train(
+    wrapper_cls: type, rank: int, group: Any, case: Case, batches: list[torch.Tensor]
+) -> dict:
     model = seeded(lambda: Generated(case), case.seed)
     kwargs = case.torch_kwargs() if wrapper_cls is TorchDDP else case.ddp_kwargs()
     ddp = wrapper_cls(model, process_group=group, **kwargs)
     _register_hook(ddp, case, group)
     params = [p for p in model.parameters() if p.requires_grad]
-    cls, defaults = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}) if case.optimizer == "sgd" else (
-        torch.optim.Adam, {"lr": ADAM_LR})
+    cls, defaults = (
+        (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+        if case.optimizer == "sgd"
+        else (torch.optim.Adam, {"lr": ADAM_LR})
+    )
     sharded = case.zero and wrapper_cls is not TorchDDP
-    opt: torch.optim.Optimizer = (gradsync.ZeroRedundancyOptimizer(params, cls, process_group=group,
-                                                                   overlap_with_ddp=case.inside, **defaults)
-                                  if sharded else cls(params, **defaults))
+    opt: torch.optim.Optimizer = (
+        gradsync.ZeroRedundancyOptimizer(
+            params, cls, process_group=group, overlap_with_ddp=case.inside, **defaults
+        )
+        if sharded
+        else cls(params, **defaults)
+    )
     ws = group.size()
     grads = []
     for step, batch in enumerate(batches):
@@ -346,7 +371,9 @@ def compare(case: Case, results: list[tuple[dict, dict]]) -> list[str]:
     precision = case.hook[-4:] if case.hook.endswith(("fp16", "bf16")) else "fp32"
     # Adam's step is sign-like for a gradient near zero: where gradients agree only to half
     # precision, a parameter may move by up to 2 lr per step differently (seed 1274).
-    adam_slack = 2 * ADAM_LR * case.steps if case.optimizer == "adam" and precision != "fp32" else 0.0
+    adam_slack = (
+        2 * ADAM_LR * case.steps if case.optimizer == "adam" and precision != "fp32" else 0.0
+    )
     problems: list[str] = []
     for rank, (ours, theirs) in enumerate(results):
         for step, (g, t) in enumerate(zip(ours["grads"], theirs["grads"])):
@@ -355,17 +382,32 @@ def compare(case: Case, results: list[tuple[dict, dict]]) -> list[str]:
             for name in t:
                 what = f"rank {rank} step {step} grad {name}"
                 problems += _differs(g[name], t[name], exact, what, precision)
-                if g[name] is not None and t[name] is not None and g[name].stride() != t[name].stride():
-                    problems.append(f"{what}: strides {g[name].stride()}, torch's {t[name].stride()}")
+                if (
+                    g[name] is not None
+                    and t[name] is not None
+                    and g[name].stride() != t[name].stride()
+                ):
+                    problems.append(
+                        f"{what}: strides {g[name].stride()}, torch's {t[name].stride()}"
+                    )
         for kind in ("params", "buffers"):
             for name in theirs[kind]:
                 problems += _differs(
-                    ours[kind][name], theirs[kind][name], exact, f"rank {rank} {kind[:-1]} {name}", precision,
+                    ours[kind][name],
+                    theirs[kind][name],
+                    exact,
+                    f"rank {rank} {kind[:-1]} {name}",
+                    precision,
                     slack=adam_slack if kind == "params" else 0.0,
                 )
     for rank in range(1, len(results)):
         for name, p in results[0][0]["params"].items():
-            problems += _differs(results[rank][0]["params"][name], p, True, f"gradsync rank {rank} vs rank 0 param {name}")
+            problems += _differs(
+                results[rank][0]["params"][name],
+                p,
+                True,
+                f"gradsync rank {rank} vs rank 0 param {name}",
+            )
     return problems
 
 
@@ -374,7 +416,10 @@ def _differs(
     slack: float = 0.0,
 ) -> list[str]:
     if (a is None) != (b is None):
-        return [f"{what}: gradsync {'None' if a is None else 'a tensor'}, torch {'None' if b is None else 'a tensor'}"]
+        return [
+            f"{what}: gradsync {'None' if a is None else 'a tensor'}, "
+            f"torch {'None' if b is None else 'a tensor'}"
+        ]
     if a is None or b is None:
         return []
     # At 3 ranks a ring all-reduce sums each element in an order set by where the bucket's
@@ -388,7 +433,11 @@ def _differs(
     else:
         rtol, atol = {"fp16": (1e-2, 1e-4), "bf16": (5e-2, 1e-3)}.get(precision, (1e-4, 1e-5))
         scale = max(a.abs().max().item(), b.abs().max().item()) if a.numel() else 0.0
-        same = (a.double() - b.double()).abs().max().item() <= rtol * scale + atol + slack if a.numel() else True
+        same = (
+            (a.double() - b.double()).abs().max().item() <= rtol * scale + atol + slack
+            if a.numel()
+            else True
+        )
     if same:
         return []
     return [f"{what}: max |diff| {(a.double() - b.double()).abs().max().item():.3e}"]

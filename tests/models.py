@@ -12,7 +12,9 @@ __all__ = ["MODELS", "make_batches"]
 class MLP(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+        self.net = nn.Sequential(
+            nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -93,7 +95,9 @@ MODELS = {
 }
 
 
-def make_batches(steps: int, world_size: int, per_rank: int = 4, seed: int = 1) -> list[torch.Tensor]:
+def make_batches(
+    steps: int, world_size: int, per_rank: int = 4, seed: int = 1
+) -> list[torch.Tensor]:
     """`steps` global batches of `world_size * per_rank` rows; rank r takes rows r*per_rank..."""
     g = torch.Generator().manual_seed(seed)
     return [torch.randn(world_size * per_rank, 8, generator=g) for _ in range(steps)]

@@ -14,7 +14,14 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 import gradsync
 from gradsync.testing import seeded
 
-__all__ = ["Record", "train_wrapper", "assert_records_equal", "train_single", "train_reducer", "train_torch_ddp"]
+__all__ = [
+    "Record",
+    "train_wrapper",
+    "assert_records_equal",
+    "train_single",
+    "train_reducer",
+    "train_torch_ddp",
+]
 
 Record = dict[str, Any]
 
@@ -117,11 +124,19 @@ def assert_records_equal(got: Record, want: Record, *, exact: bool, what: str = 
             assert (a is None) == (b is None), f"{what} step {step} {name}: None-ness differs"
             if a is not None:
                 torch.testing.assert_close(
-                    a, b, rtol=rtol, atol=atol, msg=lambda m, n=name, s=step: f"{what} step {s} grad {n}: {m}"
+                    a,
+                    b,
+                    rtol=rtol,
+                    atol=atol,
+                    msg=lambda m, n=name, s=step: f"{what} step {s} grad {n}: {m}",
                 )
     for name, p in got["params"].items():
         torch.testing.assert_close(
-            p, want["params"][name], rtol=rtol, atol=atol, msg=lambda m, n=name: f"{what} param {n}: {m}"
+            p,
+            want["params"][name],
+            rtol=rtol,
+            atol=atol,
+            msg=lambda m, n=name: f"{what} param {n}: {m}",
         )
 
 

@@ -172,7 +172,9 @@ def _eval_forward(ddp: nn.Module, model: nn.Module, x: torch.Tensor) -> None:
     model.train()
 
 
-def differences(ours: dict[str, Any], theirs: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+def differences(
+    ours: dict[str, Any], theirs: dict[str, Any], skip: tuple[str, ...] = ()
+) -> list[str]:
     """Where two `train` records differ at all: dtypes, None-ness, values (max |diff|). Names
     in `skip` (a parameter only one side has) are left out."""
     found: list[str] = []

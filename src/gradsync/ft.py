@@ -126,7 +126,8 @@ class _ManagedWork(dist.Work):
         average = op == dist.ReduceOp.AVG
         divisor = manager.num_participants() if average else 1
         work = manager.allreduce(tensor, reduce_op=dist.ReduceOp.SUM if average else op)
-        self._work = getattr(work, "_work", None)  # the process group's own work, if one was started
+        # the process group's own work, if one was started
+        self._work = getattr(work, "_work", None)
         if self._work is None:  # the Manager has seen an error this step: nothing was sent
             self._future: torch.futures.Future = torch.futures.Future()
             self._future.set_result([tensor])
@@ -209,8 +210,9 @@ class _ReplicaLocal(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: object = None) -> dist.Work:  # type: ignore[override]
         return self.replicas.allreduce(tensors, opts)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor],  # type: ignore[override]
-                  opts: object = None) -> dist.Work:
+    def allgather(  # type: ignore[override]
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: object = None
+    ) -> dist.Work:
         for out, tensor in zip(outputs, inputs):
             out[0].copy_(tensor)
         return _Done(inputs)
@@ -230,20 +232,29 @@ def _limits(kwargs: dict[str, Any]) -> list[int]:
     if caps:
         return [int(c * MIB) for c in caps]
     cap = kwargs.get("bucket_cap_mb")  # as torch: a cap given is every bucket's, the first's too
-    return [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES] if cap is None else [int(cap * MIB)]
+    return (
+        [DEFAULT_FIRST_BUCKET_BYTES, DEFAULT_BUCKET_CAP_BYTES] if cap is None else [int(cap * MIB)]
+    )
 
 
 def _check_keywords(kwargs: dict[str, Any]) -> None:
     refused = [f"{k}: {why}" for k, why in _REFUSED.items() if kwargs.get(k) is not None]
     if kwargs.get("bucket_cap_mb") == "auto":
-        refused.append('bucket_cap_mb="auto": the planner would measure each replica on its own and '
-                       "change the layout mid-run; a recovering replica must build the same buckets")
+        refused.append(
+            'bucket_cap_mb="auto": the planner would measure each replica on its own and '
+            "change the layout mid-run; a recovering replica must build the same buckets"
+        )
     if kwargs.get("init_sync"):
-        refused.append("init_sync=True: torchft's Manager syncs step 0 itself (Manager(init_sync=...))")
+        refused.append(
+            "init_sync=True: torchft's Manager syncs step 0 itself (Manager(init_sync=...))"
+        )
     if refused:
         lines = "\n".join(f"  {i}. {why}" for i, why in enumerate(refused, 1))
-        raise ValueError(f"gradsync.ft.DistributedDataParallel: cannot take these keywords under torchft:\n{lines}\n"
-                         "Leave them out; every other keyword of gradsync.DistributedDataParallel works.")
+        raise ValueError(
+            "gradsync.ft.DistributedDataParallel: cannot take these "
+            f"keywords under torchft:\n{lines}\nLeave them out; "
+            "every other keyword of gradsync.DistributedDataParallel works."
+        )
 
 
 class DistributedDataParallel(_GradsyncDDP):
@@ -261,10 +272,13 @@ class DistributedDataParallel(_GradsyncDDP):
         self.manager, self.replica_group = manager, replicas
         self._hooked = False
         self._synced_at: int | None = None  # the Manager's step at the last synchronised forward
-        self._forwards = self._reported = 0  # forwards with grad since the last synchronised one; its count
+        # forwards with grad since the last synchronised one; its count
+        self._forwards = self._reported = 0
         self._report_templates: dict[int, torch.Tensor] = {}
         reducer = self._require_reducer()
-        reducer.install_layout(replica_layout(reducer.params, _limits(kwargs), reducer.expect_sparse_gradient))
+        reducer.install_layout(
+            replica_layout(reducer.params, _limits(kwargs), reducer.expect_sparse_gradient)
+        )
         reducer.register_finish_hook(self._check_micro_steps)
         # One key per wrapper of this Manager, in construction order: the same on every replica.
         key = f"gradsync.{_WRAPPERS.setdefault(manager, itertools.count()).__next__()}"
@@ -272,7 +286,9 @@ class DistributedDataParallel(_GradsyncDDP):
 
     def _require_reducer(self) -> Reducer:
         if self.reducer is None:
-            raise ValueError("gradsync.ft.DistributedDataParallel: the module has no trainable parameter")
+            raise ValueError(
+                "gradsync.ft.DistributedDataParallel: the module has no trainable parameter"
+            )
         return self.reducer
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
@@ -313,7 +329,9 @@ class DistributedDataParallel(_GradsyncDDP):
             if len(self._report_templates) > 64:  # counts that keep changing: stay bounded
                 self._report_templates.clear()
             device = self._require_reducer().buckets[0].buffer.device
-            template = self._report_templates[m] = torch.tensor([1, m, m * m], dtype=torch.int64, device=device)
+            template = self._report_templates[m] = torch.tensor(
+                [1, m, m * m], dtype=torch.int64, device=device
+            )
         return template
 
     def _check_micro_steps(self) -> None:
@@ -327,12 +345,13 @@ class DistributedDataParallel(_GradsyncDDP):
         n, total, squares = (int(v) for v in work.result()[0].tolist())
         if n > 1 and n * squares != total * total:
             raise GradSyncError(
-                f"gradsync.ft: the {n} replicas of step {self.manager.current_step()} covered different numbers "
-                f"of micro-steps (forwards with gradients since the last synchronised one): {total} in all, "
-                f"{self._reported} on this replica. Their gradients are averaged with equal weight, so the step "
-                "would weigh some replicas' batches more than others'.\n"
-                "Fix: run the same number of micro-steps (no_sync forwards + 1) per step on every replica; "
-                "or turn the check off with set_accumulation_check(False)."
+                f"gradsync.ft: the {n} replicas of step {self.manager.current_step()} covered "
+                "different numbers of micro-steps (forwards with gradients since the last "
+                f"synchronised one): {total} in all, {self._reported} on this replica. Their "
+                "gradients are averaged with equal weight, so the step would weigh some replicas' "
+                "batches more than others'.\nFix: run the same number of micro-steps (no_sync "
+                "forwards + 1) per step on every replica; or turn the check off with "
+                "set_accumulation_check(False)."
             )
 
     def _drop_discarded_step(self) -> None:
@@ -343,8 +362,10 @@ class DistributedDataParallel(_GradsyncDDP):
         was not committed, the retry reduces in fresh buckets."""
         reducer = self._require_reducer()
         if reducer.phase in (Phase.BACKWARD, Phase.LAUNCHED):
-            log.warning("gradsync.ft: iteration %d never finished its backward on this replica; dropped",
-                        reducer.iteration)
+            log.warning(
+                "gradsync.ft: iteration %d never finished its backward on this replica; dropped",
+                reducer.iteration,
+            )
             reducer.abandon_iteration()
         if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
             return
@@ -357,7 +378,9 @@ class DistributedDataParallel(_GradsyncDDP):
             reducer.install_layout(reducer.bucket_indices)
         self._synced_at = step
 
-    def shard_gradients(self, in_flight: int | None = None, reduce_by: str | None = None) -> Reducer:
+    def shard_gradients(
+        self, in_flight: int | None = None, reduce_by: str | None = None
+    ) -> Reducer:
         raise ValueError(_SHARDED_REFUSAL)
 
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
@@ -375,8 +398,9 @@ class DistributedDataParallel(_GradsyncDDP):
         reducer = self._require_reducer()
         if state["layout"] != reducer.bucket_indices:
             raise ValueError(
-                "gradsync.ft: the peer this replica recovers from reduces its gradients in other buckets "
-                f"({len(state['layout'])} buckets there, {len(reducer.bucket_indices)} here). Every replica "
-                "must build the same model and pass the same bucket_cap_mb / bucket_cap_mb_list."
+                "gradsync.ft: the peer this replica recovers from reduces its "
+                f"gradients in other buckets ({len(state['layout'])} buckets there, "
+                f"{len(reducer.bucket_indices)} here). Every replica must build the "
+                "same model and pass the same bucket_cap_mb / bucket_cap_mb_list."
             )
         reducer.iteration = state["iteration"]

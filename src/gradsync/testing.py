@@ -135,7 +135,8 @@ def _first_linear_here() -> None:
     run in the main thread (0 of 40, same code). Below both reducers: the gradients agree bit
     for bit in every later training of the same process.
     """
-    weight = torch.ones(4, 8, requires_grad=True)  # no random init: the global generator is the user's
+    # no random init: the global generator is the user's
+    weight = torch.ones(4, 8, requires_grad=True)
     torch.nn.functional.linear(torch.ones(2, 8), weight).sum().backward()
 
 
@@ -189,7 +190,10 @@ _LINGERING_GROUPS: collections.deque[dist.ProcessGroup] = collections.deque(maxl
 
 
 def _run_rank_threads(
-    body: Callable[[int], None], outcomes: queue.Queue[tuple[int, bool, Any]], world_size: int, timeout: float
+    body: Callable[[int], None],
+    outcomes: queue.Queue[tuple[int, bool, Any]],
+    world_size: int,
+    timeout: float,
 ) -> list[Any]:
     """Run `body(rank)` on a daemon thread per rank and collect what each put on `outcomes`."""
     threads = [
@@ -399,7 +403,9 @@ def _run_launcher(
     except subprocess.TimeoutExpired:
         kill_process_tree(proc.pid)
         out, _ = proc.communicate(timeout=30)
-        raise RankTimeoutError(f"torchrun {script} did not finish within {timeout}s:\n{out}") from None
+        raise RankTimeoutError(
+            f"torchrun {script} did not finish within {timeout}s:\n{out}"
+        ) from None
     except BaseException:  # the test's own timeout (pytest-timeout) or ^C: no worker outlives it
         kill_process_tree(proc.pid)
         raise
@@ -432,22 +438,34 @@ class LateLandingGroup:
         staged = [t.clone() for t in tensors]
         return _LateWork(self._group.broadcast(staged, *args), tensors, staged, tensors)
 
-    def allgather(self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *args: Any) -> _LateWork:
+    def allgather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], *args: Any
+    ) -> _LateWork:
         staged = [[t.clone() for t in row] for row in outputs]
         work = self._group.allgather(staged, inputs, *args)
-        return _LateWork(work, [t for row in outputs for t in row], [t for row in staged for t in row], outputs)
+        return _LateWork(
+            work, [t for row in outputs for t in row], [t for row in staged for t in row], outputs
+        )
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> _LateWork:
         staged = output.clone()
-        return _LateWork(self._group._allgather_base(staged, input, *args), [output], [staged], [output])
+        return _LateWork(
+            self._group._allgather_base(staged, input, *args), [output], [staged], [output]
+        )
 
-    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor, *args: Any) -> _LateWork:
+    def _reduce_scatter_base(
+        self, output: torch.Tensor, input: torch.Tensor, *args: Any
+    ) -> _LateWork:
         staged = output.clone()
-        return _LateWork(self._group._reduce_scatter_base(staged, input, *args), [output], [staged], [output])
+        return _LateWork(
+            self._group._reduce_scatter_base(staged, input, *args), [output], [staged], [output]
+        )
 
 
 class _LateWork:
-    def __init__(self, work: dist.Work, targets: list[torch.Tensor], staged: list[torch.Tensor], value: Any) -> None:
+    def __init__(
+        self, work: dist.Work, targets: list[torch.Tensor], staged: list[torch.Tensor], value: Any
+    ) -> None:
         self._work, self._targets, self._staged, self._value = work, targets, staged, value
         self._landed = False
 

@@ -26,7 +26,9 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "train_parity.
 
 
 def _ours() -> list[str]:
-    listing = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    listing = subprocess.run(
+        ["ip", "netns", "list"], capture_output=True, text=True, timeout=30
+    ).stdout
     return [line.split()[0] for line in listing.splitlines() if line.startswith(PREFIX)]
 
 
@@ -44,7 +46,11 @@ def cluster_or_skip():
 
 
 def test_link_rates_parse_as_tc_writes_them():
-    assert parse_rate("2gbit") == 2e9 and parse_rate("500mbit") == 5e8 and parse_rate("1.5gbit") == 1.5e9
+    assert (
+        parse_rate("2gbit") == 2e9
+        and parse_rate("500mbit") == 5e8
+        and parse_rate("1.5gbit") == 1.5e9
+    )
     with pytest.raises(ValueError, match="2gbit"):
         parse_rate("fast")
     with pytest.raises(ValueError, match="2 to 4 hosts"):
@@ -64,22 +70,36 @@ def test_hosts_have_their_own_names_addresses_and_rates_and_are_removed_after(cl
     try:
         seen = []
         for i, host in enumerate(cluster.hosts):
-            out = subprocess.run(cluster.command(i, ["sh", "-c", "hostname; ip -4 -o addr show eth0; tc qdisc show dev eth0"]),
-                                 capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                cluster.command(
+                    i, ["sh", "-c", "hostname; ip -4 -o addr show eth0; tc qdisc show dev eth0"]
+                ),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
             assert out.returncode == 0, out.stderr
             seen.append(out.stdout)
             assert out.stdout.splitlines()[0] == host.hostname
             assert f"{host.address}/24" in out.stdout
         assert re.search(r"tbf .*rate 2Gbit", seen[0]) and re.search(r"rate 1Gbit", seen[1])
         assert re.search(r"rate 500Mbit", seen[2])
-        server = subprocess.Popen(cluster.command(0, [sys.executable, "-c", SERVE.format(cluster.hosts[0].address)]),
-                                  stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            cluster.command(0, [sys.executable, "-c", SERVE.format(cluster.hosts[0].address)]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout.readline().strip() == "listening"
-        client = subprocess.run(cluster.command(2, [sys.executable, "-c", ASK.format(cluster.hosts[0].address)]),
-                                capture_output=True, text=True, timeout=30)
+        client = subprocess.run(
+            cluster.command(2, [sys.executable, "-c", ASK.format(cluster.hosts[0].address)]),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         server.wait(timeout=30)
         assert client.stdout.strip() == "gradsync-host0", client.stderr  # across the switch
-        assert len([n for n in _ours() if n.startswith(f"{PREFIX}{os.getpid()}-")]) == 4  # 3 hosts, switch
+        # 3 hosts, switch
+        assert len([n for n in _ours() if n.startswith(f"{PREFIX}{os.getpid()}-")]) == 4
     finally:
         cluster.remove()
     assert not [n for n in _ours() if n.startswith(f"{PREFIX}{os.getpid()}-")]
@@ -97,11 +117,18 @@ def test_tcp_crosses_the_cables_in_big_packets_that_tbf_passes_whole(cluster_or_
     try:
         if not cluster.big_tcp:
             pytest.skip("this kernel refused 256 KiB GSO sizes (IPv4 BIG TCP needs Linux 6.3+)")
-        server = subprocess.Popen(cluster.command(1, [sys.executable, "-c", SINK.format(cluster.hosts[1].address)]),
-                                  stdout=subprocess.PIPE, text=True)
+        server = subprocess.Popen(
+            cluster.command(1, [sys.executable, "-c", SINK.format(cluster.hosts[1].address)]),
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert server.stdout.readline().strip() == "listening"
-        sent = subprocess.run(cluster.command(0, [sys.executable, "-c", SEND.format(cluster.hosts[1].address)]),
-                              capture_output=True, text=True, timeout=60)
+        sent = subprocess.run(
+            cluster.command(0, [sys.executable, "-c", SEND.format(cluster.hosts[1].address)]),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert sent.returncode == 0, sent.stderr
         server.wait(timeout=30)
         link = subprocess.run(cluster.command(0, ["ip", "-s", "link", "show", "eth0"]),
@@ -113,7 +140,8 @@ def test_tcp_crosses_the_cables_in_big_packets_that_tbf_passes_whole(cluster_or_
         qdisc = subprocess.run(cluster.command(0, ["tc", "qdisc", "show", "dev", "eth0"]),
                                capture_output=True, text=True, timeout=30).stdout
         burst = re.search(r"burst (\d+)b", qdisc)
-        assert burst and int(burst.group(1)) >= 256 * 1024 + 64 * 1024 - 1024, qdisc  # a packet passes whole
+        # a packet passes whole
+        assert burst and int(burst.group(1)) >= 256 * 1024 + 64 * 1024 - 1024, qdisc
     finally:
         cluster.remove()
 
@@ -141,7 +169,9 @@ BUILD_AND_WAIT = (
 @pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
 def test_a_stopped_owner_leaves_nothing_behind(cluster_or_skip, how):
     cluster_or_skip(2).remove()
-    owner = subprocess.Popen([sys.executable, "-c", BUILD_AND_WAIT], stdout=subprocess.PIPE, text=True)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", BUILD_AND_WAIT], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert owner.stdout.readline().strip() == "built"
         mine = [n for n in _ours() if n.startswith(f"{PREFIX}{owner.pid}-")]
@@ -161,10 +191,14 @@ def test_a_stopped_owner_leaves_nothing_behind(cluster_or_skip, how):
 def test_a_planned_run_on_two_hosts_at_2gbit_matches_torch_ddp_step_for_step(cluster_or_skip):
     cluster = cluster_or_skip(2, "2gbit")
     try:
-        done = cluster.torchrun([SCRIPT, "40", "-", "auto"], timeout=240, env={"OMP_NUM_THREADS": "1"})
+        done = cluster.torchrun(
+            [SCRIPT, "40", "-", "auto"], timeout=240, env={"OMP_NUM_THREADS": "1"}
+        )
     finally:
         cluster.remove()
-    report = "\n".join(f"--- host {i} (exit {d.returncode}):\n{d.stdout[-3000:]}" for i, d in enumerate(done))
+    report = "\n".join(
+        f"--- host {i} (exit {d.returncode}):\n{d.stdout[-3000:]}" for i, d in enumerate(done)
+    )
     assert all(d.returncode == 0 for d in done), report
     for rank, d in enumerate(done):
         assert f"rank {rank}: 40 steps matched torch DDP exactly" in d.stdout, report
@@ -199,6 +233,10 @@ def test_a_run_past_its_deadline_is_killed_on_every_host(cluster_or_skip, tmp_pa
         cluster.remove()
     assert took < 60 and all(d.returncode != 0 for d in done)
     assert all("killed after 8 s" in d.stdout for d in done)
-    cli = subprocess.run([sys.executable, "-m", "gradsync.tools.cluster", "--timeout", "3", "--", "sleep", "600"],
-                         capture_output=True, text=True, timeout=60)
+    cli = subprocess.run(
+        [sys.executable, "-m", "gradsync.tools.cluster", "--timeout", "3", "--", "sleep", "600"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert cli.returncode != 0 and "killed after 3 s" in cli.stderr

@@ -18,8 +18,12 @@ SCRIPT = os.path.join(os.path.dirname(__file__), "..", "scripts", "compiled.py")
 
 
 def _close(a: list, b: list, exact: bool) -> bool:
-    return all(torch.allclose(torch.tensor(x), torch.tensor(y), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-8)
-               for x, y in zip(a, b))
+    return all(
+        torch.allclose(
+            torch.tensor(x), torch.tensor(y), rtol=0 if exact else 1e-6, atol=0 if exact else 1e-8
+        )
+        for x, y in zip(a, b)
+    )
 
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
@@ -37,6 +41,8 @@ def test_compiled_wrapper_gives_torchs_results_and_keeps_its_overlap(backend, tm
             assert _close(ours["params"], runs[f"torch.{mode}"]["params"], exact), mode
             assert _close(ours["params"], runs["torch.eager"]["params"], exact), mode
         for mode in ("eager", "split"):  # after the first iteration (one bucket, then rebuilt)
-            overlapped = [it["launched_before_input_grad"] for it in runs[f"gradsync.{mode}"]["overlap"][1:]]
+            overlapped = [
+                it["launched_before_input_grad"] for it in runs[f"gradsync.{mode}"]["overlap"][1:]
+            ]
             assert min(overlapped) >= 2, (mode, runs[f"gradsync.{mode}"]["overlap"])
     assert ranks[0]["gradsync.split"]["params"] == ranks[1]["gradsync.split"]["params"]

@@ -27,8 +27,19 @@ def build():
 
 
 def test_the_device_bench_runs_every_variant_of_the_three_models_and_they_end_alike(tmp_path):
-    args = ["--device", "cpu", "--tiny", "--rounds", "2", "--repeat", "1", "--compile-backend", "aot_eager",
-            "--out", str(tmp_path)]
+    args = [
+        "--device",
+        "cpu",
+        "--tiny",
+        "--rounds",
+        "2",
+        "--repeat",
+        "1",
+        "--compile-backend",
+        "aot_eager",
+        "--out",
+        str(tmp_path),
+    ]
     result = run_torchrun("gradsync.tools.benchsuite", 2, args, module=True, timeout=240)
     assert result.returncode == 0, result.stdout[-6000:]
     summary = json.loads((tmp_path / "bench.json").read_text())
@@ -37,12 +48,19 @@ def test_the_device_bench_runs_every_variant_of_the_three_models_and_they_end_al
     for name, model in summary["models"].items():
         variants = COMPILED_VARIANTS if name == "gpt_compiled" else DEVICE_VARIANTS
         assert list(model["median_ms"]) == list(variants)
-        assert all(len(s) == 2 for s in model["samples_ms"].values())  # the timed rounds, after the warm-up
-        assert model["ratio_to_torch"]["torch DDP"] == 1.0 and "torch DDP (again) / torch DDP" in model["pairs"]
+        # the timed rounds, after the warm-up
+        assert all(len(s) == 2 for s in model["samples_ms"].values())
+        assert (
+            model["ratio_to_torch"]["torch DDP"] == 1.0
+            and "torch DDP (again) / torch DDP" in model["pairs"]
+        )
         assert model["peak_mib"] == {}  # measured on a GPU only
         # the same steps from the same parameters: exact, at two ranks too (bf16 autocast included)
         assert set(model["max_param_diff_to_torch"]) == set(variants) - {"torch DDP", "no DDP"}
-        assert max(model["max_param_diff_to_torch"].values()) == 0.0, (name, model["max_param_diff_to_torch"])
+        assert max(model["max_param_diff_to_torch"].values()) == 0.0, (
+            name,
+            model["max_param_diff_to_torch"],
+        )
     assert summary["models"]["gpt_many"]["parameter_tensors"] == 12 * 12 + 4
     assert "gradsync / torch's DDP, find_unused_parameters" in (tmp_path / "bench.md").read_text()
     assert "| A/A |" in result.stdout  # the summary table, printed
@@ -50,12 +68,33 @@ def test_the_device_bench_runs_every_variant_of_the_three_models_and_they_end_al
 
 def test_a_users_model_is_benched_from_the_command_line_at_world_size_one(tmp_path):
     (tmp_path / "mymodels.py").write_text(USER_MODEL)
-    cmd = [sys.executable, "-m", "gradsync.tools.cli", "bench", "--nproc", "1", "--model", "mymodels:build",
-           "--autocast", "bf16", "--quick", "--variants", "no DDP,torch DDP,torch DDP (again),gradsync",
-           "--out", str(tmp_path / "out")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "gradsync.tools.cli",
+        "bench",
+        "--nproc",
+        "1",
+        "--model",
+        "mymodels:build",
+        "--autocast",
+        "bf16",
+        "--quick",
+        "--variants",
+        "no DDP,torch DDP,torch DDP (again),gradsync",
+        "--out",
+        str(tmp_path / "out"),
+    ]
     env = {**os.environ, "PYTHONPATH": os.path.abspath(SRC)}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     try:
         out, _ = proc.communicate(timeout=120)
     finally:
@@ -65,6 +104,8 @@ def test_a_users_model_is_benched_from_the_command_line_at_world_size_one(tmp_pa
     assert "world size 1 (gloo)" in summary["where"]
     model = summary["models"]["mymodels:build"]
     assert list(model["median_ms"]) == ["no DDP", "torch DDP", "torch DDP (again)", "gradsync"]
-    assert model["parameter_tensors"] == 4 and model["max_param_diff_to_torch"] == {"torch DDP (again)": 0.0, "gradsync": 0.0}
+    assert model["parameter_tensors"] == 4 and (
+        model["max_param_diff_to_torch"] == {"torch DDP (again)": 0.0, "gradsync": 0.0}
+    )
     assert len(model["samples_ms"]["gradsync"]) == 3  # --quick: 3 rounds
     assert "### mymodels:build, bf16 autocast" in out

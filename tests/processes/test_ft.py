@@ -51,11 +51,25 @@ class Replicas:
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs, self.port = tmp, {}, free_port()
-        exe = shutil.which("torchft_lighthouse") or str(Path(sys.executable).parent / "torchft_lighthouse")
+        exe = shutil.which("torchft_lighthouse") or str(
+            Path(sys.executable).parent / "torchft_lighthouse"
+        )
         self.lighthouse = subprocess.Popen(
-            [exe, "--min_replicas", "2", "--bind", f"127.0.0.1:{self.port}", "--heartbeat_timeout_ms", "1000",
-             "--join_timeout_ms", "3000", "--quorum_tick_ms", "20"],
-            stdout=(tmp / "lighthouse.log").open("w"), stderr=subprocess.STDOUT,
+            [
+                exe,
+                "--min_replicas",
+                "2",
+                "--bind",
+                f"127.0.0.1:{self.port}",
+                "--heartbeat_timeout_ms",
+                "1000",
+                "--join_timeout_ms",
+                "3000",
+                "--quorum_tick_ms",
+                "20",
+            ],
+            stdout=(tmp / "lighthouse.log").open("w"),
+            stderr=subprocess.STDOUT,
         )
         self.log = tmp / "steps.jsonl"
 
@@ -63,18 +77,43 @@ class Replicas:
         env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
         out = (self.tmp / f"replica{replica}.{attempt}.log").open("w")
         self.procs[replica, attempt] = subprocess.Popen(
-            [sys.executable, str(EXAMPLE), "--replica-id", str(replica), "--lighthouse",
-             f"http://127.0.0.1:{self.port}", "--steps", str(STEPS), "--min-replicas", "2", "--timeout", "5",
-             "--log", str(self.log), "--save", str(self.tmp / f"final{replica}.pt"),
-             "--marker", str(self.tmp / f"fault{replica}"), "--go", str(self.tmp / go), "--step-seconds", "0.15", *flags],
-            stdout=out, stderr=subprocess.STDOUT, env=env,
+            [
+                sys.executable,
+                str(EXAMPLE),
+                "--replica-id",
+                str(replica),
+                "--lighthouse",
+                f"http://127.0.0.1:{self.port}",
+                "--steps",
+                str(STEPS),
+                "--min-replicas",
+                "2",
+                "--timeout",
+                "5",
+                "--log",
+                str(self.log),
+                "--save",
+                str(self.tmp / f"final{replica}.pt"),
+                "--marker",
+                str(self.tmp / f"fault{replica}"),
+                "--go",
+                str(self.tmp / go),
+                "--step-seconds",
+                "0.15",
+                *flags,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         return time.time()
 
     def go(self, replicas: list[tuple[int, int]], go: str = "go") -> float:
         """Let them join once all have imported and built their model (so that the first quorum
         holds every one); return the time."""
-        self.wait_for(lambda: all("ready to join" in self.output(r, a) for r, a in replicas) or None, 60)
+        self.wait_for(
+            lambda: all("ready to join" in self.output(r, a) for r, a in replicas) or None, 60
+        )
         (self.tmp / go).touch()
         return time.time()
 
@@ -87,12 +126,17 @@ class Replicas:
                 if p.poll() not in (None, 0, -9):
                     pytest.fail(f"replica {r} exited with {p.returncode}:\n{self.output(r)}")
             time.sleep(poll)
-        pytest.fail(f"timed out after {timeout} s; outputs:\n" + "\n".join(self.output(r) for r, _ in self.procs))
+        pytest.fail(
+            f"timed out after {timeout} s; outputs:\n"
+            + "\n".join(self.output(r) for r, _ in self.procs)
+        )
 
     def entries(self) -> list[dict]:
         if not self.log.exists():
             return []
-        return [json.loads(line) for line in self.log.read_text().splitlines() if line.endswith("}")]
+        return [
+            json.loads(line) for line in self.log.read_text().splitlines() if line.endswith("}")
+        ]
 
     def output(self, replica: int, attempt: int | None = None) -> str:
         pattern = f"replica{replica}.{'*' if attempt is None else attempt}.log"
@@ -142,11 +186,15 @@ def _reference(entries: list[dict], accumulate: int = 1, side: bool = False) -> 
                 x, y = ex.batch(r, step, micro)
                 use = side and ex.uses_side(r, step, micro)
                 torch.nn.functional.cross_entropy(model(x, use), y).backward()
-            grads.append([p.grad.clone() if p.grad is not None else None for p in model.parameters()])
+            grads.append(
+                [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+            )
         n = counts.pop()
         for i, p in enumerate(model.parameters()):
-            sent = [g[i] / n for g in grads if g[i] is not None]  # divided before the sum, as the hook does
-            p.grad = sum(sent) if sent else None  # unused by every replica: left alone (Adam skips it)
+            # divided before the sum, as the hook does
+            sent = [g[i] / n for g in grads if g[i] is not None]
+            # unused by every replica: left alone (Adam skips it)
+            p.grad = sum(sent) if sent else None
         optim.step()
     return {"model": model.state_dict(), "optim": optim.state_dict()}
 
@@ -156,16 +204,22 @@ def _check_final_states(tmp: Path, replicas: list[int], entries: list[dict], ato
     finals = [torch.load(tmp / f"final{r}.pt") for r in replicas]
     for r, state in zip(replicas[1:], finals[1:]):
         for name, tensor in finals[0]["model"].items():
-            assert torch.equal(tensor, state["model"][name]), f"replica {r} differs from {replicas[0]} in {name}"
+            assert torch.equal(tensor, state["model"][name]), (
+                f"replica {r} differs from {replicas[0]} in {name}"
+            )
         for key, entry in finals[0]["optim"]["state"].items():
             for field, value in entry.items():
-                assert torch.equal(value, state["optim"]["state"][key][field]), f"replica {r}: optimizer {key}.{field}"
+                assert torch.equal(value, state["optim"]["state"][key][field]), (
+                    f"replica {r}: optimizer {key}.{field}"
+                )
     expected = _reference(entries, **reference)  # type: ignore[arg-type]
     torch.testing.assert_close(finals[0]["model"], expected["model"], rtol=rtol, atol=atol)
     assert finals[0]["optim"]["state"].keys() == expected["optim"]["state"].keys()
     for key, entry in expected["optim"]["state"].items():
         for field, value in entry.items():
-            torch.testing.assert_close(finals[0]["optim"]["state"][key][field], value, rtol=rtol, atol=atol / 10)
+            torch.testing.assert_close(
+                finals[0]["optim"]["state"][key][field], value, rtol=rtol, atol=atol / 10
+            )
     assert int(finals[0]["optim"]["state"][0]["step"]) == STEPS  # none lost, none applied twice
 
 
@@ -180,11 +234,13 @@ def test_killed_mid_backward_others_go_on_then_it_recovers_live(replicas, tmp_pa
     kill_at, restart_after = 8, 12
     for r in range(3):
         replicas.start(r, *(["--stall-at", str(kill_at)] if r == 2 else []))
-    replicas.start(2, attempt=1, go="go2")  # its restart, imported ahead so that the test runs quickly
+    # its restart, imported ahead so that the test runs quickly
+    replicas.start(2, attempt=1, go="go2")
     replicas.go([(0, 0), (1, 0), (2, 0)])
     marker = tmp_path / "fault2"
     replicas.wait_for(lambda: marker.exists() or None, 60)
-    time.sleep(0.2)  # well inside its backward: the later layers' buckets were launched before it stalled
+    # well inside its backward: the later layers' buckets were launched before it stalled
+    time.sleep(0.2)
     killed = time.time()
     kill_process_tree(replicas.procs[2, 0].pid)
     replicas.procs[2, 0].wait(10)
@@ -194,8 +250,11 @@ def test_killed_mid_backward_others_go_on_then_it_recovers_live(replicas, tmp_pa
         return min(after, key=lambda e: e["time"]) if after else None
 
     first = replicas.wait_for(next_commit, 60)
-    assert first["step"] == kill_at and first["participants"] == 2, first  # the half step was not committed
-    replicas.wait_for(lambda: next((e for e in replicas.entries() if e["step"] >= restart_after), None), 60)
+    # the half step was not committed
+    assert first["step"] == kill_at and first["participants"] == 2, first
+    replicas.wait_for(
+        lambda: next((e for e in replicas.entries() if e["step"] >= restart_after), None), 60
+    )
     restarted = replicas.go([(2, 1)], go="go2")  # once it has imported torch and built its model
     replicas.finish(90)
 
@@ -210,14 +269,18 @@ def test_killed_mid_backward_others_go_on_then_it_recovers_live(replicas, tmp_pa
         assert steps[0] == 0 or not first_entry["participating"], (r, first_entry)
     back = [e for e in entries if e["replica"] == 2 and e["time"] > restarted]
     assert back and back[0]["step"] > restart_after and not back[0]["participating"], back[:1]
-    assert back[0]["step"] < STEPS - 5, "it should train on after recovering (slow start: raise STEPS)"
+    assert back[0]["step"] < STEPS - 5, (
+        "it should train on after recovering (slow start: raise STEPS)"
+    )
     assert [e["step"] for e in back] == list(range(back[0]["step"], STEPS))
     assert "recovered live from a peer" in replicas.output(2)
     _check_final_states(tmp_path, [0, 1, 2], entries)
-    print(f"\nkill -> next committed step: {first['time'] - killed:.2f} s (step {first['step']}, 2 replicas); "
-          f"restart -> first committed step (recovered live at step {back[0]['step']}): "
-          f"{back[0]['time'] - restarted:.2f} s; final parameters and Adam state identical on 3 replicas "
-          f"and equal to the reference of the {STEPS} committed steps")
+    print(
+        f"\nkill -> next committed step: {first['time'] - killed:.2f} s (step {first['step']}, "
+        f"2 replicas); restart -> first committed step (recovered live at step {back[0]['step']}): "
+        f"{back[0]['time'] - restarted:.2f} s; final parameters and Adam state identical "
+        f"on 3 replicas and equal to the reference of the {STEPS} committed steps"
+    )
 
 
 @pytest.mark.timeout(150)
@@ -239,7 +302,8 @@ def test_a_replica_that_raises_and_a_slow_one(replicas, tmp_path):
     assert later, "the step that raised was never committed after"
     slow = float((tmp_path / "fault2").read_text())
     at_slow = [e for e in entries if e["step"] == slow_at]
-    assert {e["replica"] for e in at_slow if e["participating"]} == {0, 1, 2}, at_slow  # waited for, not dropped
+    # waited for, not dropped
+    assert {e["replica"] for e in at_slow if e["participating"]} == {0, 1, 2}, at_slow
     _check_final_states(tmp_path, [0, 1, 2], entries)
     print(f"\nraise -> step {raise_at} committed: {min(e['time'] for e in later) - raised:.2f} s; "
           f"slow replica (2 s late at step {slow_at}) kept in the quorum, step committed "
@@ -257,7 +321,8 @@ def test_no_sync_find_unused_parameters_and_a_compression_hook(replicas, tmp_pat
     entries = replicas.entries()
     for r in range(2):
         assert _committed_once(entries, r)[-1] == STEPS - 1
-    # float16 on the wire: equal to the float32 reference to float16's rounding, identical across replicas
+    # float16 on the wire: equal to the float32 reference to float16's rounding, identical across
+    # replicas
     _check_final_states(tmp_path, [0, 1], entries, atol=1e-4, rtol=5e-3, accumulate=2, side=True)
 
 
@@ -271,7 +336,9 @@ def test_replicas_that_accumulate_different_micro_steps_commit_nothing_and_say_s
     said = "covered different numbers of micro-steps"
     replicas.wait_for(lambda: all(said in replicas.output(r) for r in range(2)) or None, 60)
     for r, own in ((0, 2), (1, 1)):
-        assert re.search(f"not committed \\(gradsync.ft: the 2 replicas of step [01] {said}", replicas.output(r))
+        assert re.search(
+            f"not committed \\(gradsync.ft: the 2 replicas of step [01] {said}", replicas.output(r)
+        )
         assert f"3 in all, {own} on this replica" in replicas.output(r)
     # Step 0 may be committed: one replica usually recovers from the other in it (torchft's
     # init_sync), so one replica's gradients make it and there is nothing to compare. No step
@@ -302,9 +369,15 @@ def test_layout_is_derived_from_the_model_in_reverse_order():
     manager.register_state_dict_fn.assert_called_once()
 
 
-@pytest.mark.parametrize("keyword", [
-    {"process_group": object()}, {"bucket_cap_mb": "auto"}, {"init_sync": True}, {"mixed_precision": object()},
-])
+@pytest.mark.parametrize(
+    "keyword",
+    [
+        {"process_group": object()},
+        {"bucket_cap_mb": "auto"},
+        {"init_sync": True},
+        {"mixed_precision": object()},
+    ],
+)
 def test_keywords_that_cannot_hold_under_torchft_are_refused(keyword):
     from gradsync.ft import DistributedDataParallel
 
@@ -327,10 +400,20 @@ def test_zero_1_across_replicas_is_refused_and_within_a_replica_of_one_rank_work
     ddp, _ = _wrapped()
     across = torch.distributed.ProcessGroup(0, 2)  # any group of more than one rank: never reached
     with pytest.raises(ValueError, match="takes its shard with it"):
-        gradsync.ZeroRedundancyOptimizer(list(ddp.parameters()), torch.optim.SGD, process_group=across,
-                                         shard_gradients=False, lr=0.1)
-    one = gradsync.ZeroRedundancyOptimizer(list(ddp.parameters()), torch.optim.SGD,
-                                           process_group=ddp.process_group, shard_gradients=False, lr=0.1)
+        gradsync.ZeroRedundancyOptimizer(
+            list(ddp.parameters()),
+            torch.optim.SGD,
+            process_group=across,
+            shard_gradients=False,
+            lr=0.1,
+        )
+    one = gradsync.ZeroRedundancyOptimizer(
+        list(ddp.parameters()),
+        torch.optim.SGD,
+        process_group=ddp.process_group,
+        shard_gradients=False,
+        lr=0.1,
+    )
     assert one.world_size == 1
 
 
@@ -381,5 +464,8 @@ def test_a_collective_that_never_completes_is_waited_for_at_most_the_managers_ti
     bucket.wait()
     replicas.report_work.wait()
     assert time.monotonic() - start < 5
-    assert len(manager.errors) == 2 and all(isinstance(e, TimeoutError) for e in manager.errors), manager.errors
-    assert replicas.report_work.result()[0] is report  # this replica's own counts: nothing to compare
+    assert len(manager.errors) == 2 and all(
+        isinstance(e, TimeoutError) for e in manager.errors
+    ), manager.errors
+    # this replica's own counts: nothing to compare
+    assert replicas.report_work.result()[0] is report

@@ -142,8 +142,10 @@ def test_a_launch_interrupted_by_the_tests_own_timeout_leaves_no_worker(tmp_path
 
     script, pids = tmp_path / "sleep.py", tmp_path / "pids"
     pids.mkdir()
-    script.write_text(f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
-                      "time.sleep(600)\n")
+    script.write_text(
+        f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
+        "time.sleep(600)\n"
+    )
     cluster = EmulatedCluster(2) if launcher == "emulated cluster" else None
     if cluster is not None:
         try:
@@ -215,7 +217,13 @@ def test_a_script_that_runs_ranks_in_threads_exits_cleanly_without_collecting_it
 
         print("ranks", run_threaded(body, 2), flush=True)
     """))
-    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}  # as a user's script runs
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    # as a user's script runs
+    env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
     # Before: rc -6 (SIGABRT) in every run, after printing the ranks.
-    assert done.returncode == 0 and "ranks [0, 1]" in done.stdout, (done.returncode, done.stdout + done.stderr)
+    assert done.returncode == 0 and "ranks [0, 1]" in done.stdout, (
+        done.returncode,
+        done.stdout + done.stderr,
+    )

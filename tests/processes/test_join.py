@@ -12,11 +12,17 @@ from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.testing import RankError, run_processes, run_threaded, seeded
 
 
-def _train_uneven(rank, cls, model_name, batches, divide, throw, find_unused, report=False, mixed=False):
+def _train_uneven(
+    rank, cls, model_name, batches, divide, throw, find_unused, report=False, mixed=False
+):
     from torch.nn.parallel.distributed import _MixedPrecision
 
     model = seeded(MODELS[model_name], 0)
-    precision = {"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)} if mixed else {}
+    precision = (
+        {"mixed_precision": _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        if mixed
+        else {}
+    )
     ddp = cls(model, find_unused_parameters=find_unused, **precision)
     if report:  # the used map all-gathered instead of all-reduced
         ddp.report_unused_parameters()
@@ -65,8 +71,12 @@ def test_uneven_inputs_finish_and_match_torch(batches, divide, model_name, find_
 
 
 def _options(rank, group, report, mixed):
-    plain = _train_uneven(rank, GradsyncDDP, "unused_branch", (5, 3), True, False, True, mixed=mixed)
-    return plain, _train_uneven(rank, GradsyncDDP, "unused_branch", (5, 3), True, False, True, report, mixed)
+    plain = _train_uneven(
+        rank, GradsyncDDP, "unused_branch", (5, 3), True, False, True, mixed=mixed
+    )
+    return plain, _train_uneven(
+        rank, GradsyncDDP, "unused_branch", (5, 3), True, False, True, report, mixed
+    )
 
 
 @pytest.mark.parametrize("report,mixed", [(True, False), (False, True), (True, True)])
@@ -91,8 +101,18 @@ def test_throw_on_early_termination_raises_on_every_rank():
     assert "Detected at least one rank that exhausted inputs" in results[1][0]
 
 
-def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False, find_unused=False, hook=False,
-                       mixed=False, inside=False):
+def _train_zero_uneven(
+    rank,
+    wrapper,
+    optimizer,
+    batches,
+    divide,
+    overlap=False,
+    find_unused=False,
+    hook=False,
+    mixed=False,
+    inside=False,
+):
     from torch.distributed.algorithms.join import Join
     from torch.distributed.optim import ZeroRedundancyOptimizer as TorchZero
     from torch.nn.parallel.distributed import _MixedPrecision
@@ -102,7 +122,9 @@ def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False,
     model = seeded(MODELS["unused_branch" if find_unused else "mlp"], 0)
     options = {"bucket_cap_mb": 0.001} if wrapper is GradsyncDDP else {}
     if mixed:
-        options["mixed_precision"] = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        options["mixed_precision"] = _MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
     ddp = wrapper(model, find_unused_parameters=find_unused, **options)
     if hook:
         from gradsync.comm_hooks import fp16_compress_hook
@@ -114,11 +136,18 @@ def _train_zero_uneven(rank, wrapper, optimizer, batches, divide, overlap=False,
     elif optimizer == "torch zero":
         opt = TorchZero(model.parameters(), torch.optim.Adam, **kwargs)
     else:
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, shard_gradients=optimizer == "zero-2",
-                                      overlap_param_gather=overlap, overlap_with_ddp=inside, **kwargs)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.Adam,
+            shard_gradients=optimizer == "zero-2",
+            overlap_param_gather=overlap,
+            overlap_with_ddp=inside,
+            **kwargs,
+        )
     g = torch.Generator().manual_seed(rank)
     data = [torch.randn(4, 8, generator=g) for _ in range(batches[rank])]
-    joined = (ddp.join(divide_by_initial_world_size=divide) if optimizer in ("plain", "zero-2")  # ZeRO-2 joins with it
+    # ZeRO-2 joins with it
+    joined = (ddp.join(divide_by_initial_world_size=divide) if optimizer in ("plain", "zero-2")
               else Join([ddp, opt], divide_by_initial_world_size=divide))
     with joined:
         for x in data:
@@ -142,7 +171,10 @@ def _zero_variants(rank, group, batches, divide, overlap, find_unused):
 
 
 def _hooked_variants(rank, group, batches):
-    return {v: _train_zero_uneven(rank, GradsyncDDP, v, batches, True, hook=True) for v in ("plain", "zero-1", "zero-2")}
+    return {
+        v: _train_zero_uneven(rank, GradsyncDDP, v, batches, True, hook=True)
+        for v in ("plain", "zero-1", "zero-2")
+    }
 
 
 def _mixed_variants(rank, group, batches, overlap):
@@ -151,39 +183,65 @@ def _mixed_variants(rank, group, batches, overlap):
 
 
 def _inside_variants(rank, group, batches):
-    return {f"{v} {mixed}": _train_zero_uneven(rank, GradsyncDDP, v, batches, True, mixed=mixed == "mixed",
-                                               inside=v != "plain", overlap=v == "zero-2")
-            for v in ("plain", "zero-1", "zero-2") for mixed in ("fp32", "mixed")}
+    return {
+        f"{v} {mixed}": _train_zero_uneven(
+            rank,
+            GradsyncDDP,
+            v,
+            batches,
+            True,
+            mixed=mixed == "mixed",
+            inside=v != "plain",
+            overlap=v == "zero-2",
+        )
+        for v in ("plain", "zero-1", "zero-2")
+        for mixed in ("fp32", "mixed")
+    }
 
 
 def test_optimizers_stepping_inside_backward_join_uneven_inputs():
     # overlap_with_ddp: the ranks still training step inside backward (after the wrapper's
     # mixed-precision restore), a joined rank through its join hook, in the same order of
     # collectives: the plain optimizer's parameters, ZeRO-1 and ZeRO-2, float32 and bf16.
-    for rank, got in enumerate(run_processes(_inside_variants, 2, (5, 3), timeout=180, default_group=True)):
+    for rank, got in enumerate(
+        run_processes(_inside_variants, 2, (5, 3), timeout=180, default_group=True)
+    ):
         for mixed in ("fp32", "mixed"):
             for variant in ("zero-1", "zero-2"):
                 for name, value in got[f"plain {mixed}"].items():
-                    torch.testing.assert_close(got[f"{variant} {mixed}"][name], value, rtol=0, atol=0,
-                                               msg=f"rank {rank} {variant} {mixed} {name}")
+                    torch.testing.assert_close(
+                        got[f"{variant} {mixed}"][name],
+                        value,
+                        rtol=0,
+                        atol=0,
+                        msg=f"rank {rank} {variant} {mixed} {name}",
+                    )
 
 
 @pytest.mark.parametrize("overlap", [False, True])
 def test_sharded_gradients_join_uneven_inputs_under_mixed_precision(overlap):
     # A joined rank's shadow casts its zeroed bf16 buckets to the reduce dtype as the active
     # ranks do and keeps its float32 shard: ZeRO-2 ends with the plain optimizer's parameters.
-    for rank, got in enumerate(run_processes(_mixed_variants, 2, (5, 3), overlap, timeout=180, default_group=True)):
+    for rank, got in enumerate(
+        run_processes(_mixed_variants, 2, (5, 3), overlap, timeout=180, default_group=True)
+    ):
         for name, value in got["plain"].items():
-            torch.testing.assert_close(got["zero-2"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}")
+            torch.testing.assert_close(
+                got["zero-2"][name], value, rtol=0, atol=0, msg=f"rank {rank} {name}"
+            )
 
 
 def test_sharded_optimizers_join_with_a_compression_hook():
     # The fp16 hook shards with the gradients (ZeRO-2) or runs whole (ZeRO-1, plain): a
     # joined rank answers it either way and steps its share with the averages.
-    for rank, got in enumerate(run_processes(_hooked_variants, 2, (5, 3), timeout=180, default_group=True)):
+    for rank, got in enumerate(
+        run_processes(_hooked_variants, 2, (5, 3), timeout=180, default_group=True)
+    ):
         for variant in ("zero-1", "zero-2"):
             for name, value in got["plain"].items():
-                torch.testing.assert_close(got[variant][name], value, rtol=0, atol=0, msg=f"rank {rank} {variant} {name}")
+                torch.testing.assert_close(
+                    got[variant][name], value, rtol=0, atol=0, msg=f"rank {rank} {variant} {name}"
+                )
 
 
 @pytest.mark.parametrize("batches,divide,overlap,find_unused", [
@@ -202,12 +260,21 @@ def test_sharded_optimizers_join_uneven_inputs(batches, divide, overlap, find_un
     exact = {"rtol": 0, "atol": 0} if len(batches) == 2 else {"rtol": 1e-5, "atol": 1e-6}
     for rank, got in enumerate(results):
         for name, value in got["torch DDP + torch ZeRO"].items():
-            torch.testing.assert_close(got["torch DDP + gradsync ZeRO-1"][name], value, rtol=0, atol=0,
-                                       msg=f"rank {rank} {name}: over torch's DDP")
+            torch.testing.assert_close(
+                got["torch DDP + gradsync ZeRO-1"][name],
+                value,
+                rtol=0,
+                atol=0,
+                msg=f"rank {rank} {name}: over torch's DDP",
+            )
         for variant in ("gradsync DDP + gradsync ZeRO-1", "gradsync DDP + gradsync ZeRO-2"):
             for name, value in got["gradsync DDP + Adam"].items():
-                torch.testing.assert_close(got[variant][name], value, msg=f"rank {rank} {variant} {name}", **exact)
-                torch.testing.assert_close(got[variant][name], results[0][variant][name], rtol=0, atol=0)
+                torch.testing.assert_close(
+                    got[variant][name], value, msg=f"rank {rank} {variant} {name}", **exact
+                )
+                torch.testing.assert_close(
+                    got[variant][name], results[0][variant][name], rtol=0, atol=0
+                )
 
 
 def _mesh_body(rank, group):

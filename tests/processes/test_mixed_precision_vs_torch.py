@@ -39,8 +39,16 @@ CASES = {
     "reduce bf16, buffers bf16": ({"reduce_dtype": BF16, "buffer_dtype": BF16}, {}, 1),
     "reduce fp16, buffers unset": ({"reduce_dtype": FP16}, {"batchnorm": False}, 1),
     "reduce unset, buffers unset": ({}, {"batchnorm": False}, 1),
-    "reduce fp32, grads kept as zeros": ({"reduce_dtype": FP32, "buffer_dtype": BF16}, {"set_to_none": False}, 1),
-    "reduce fp32, static_graph": ({"reduce_dtype": FP32, "buffer_dtype": BF16}, {"static_graph": True}, 2),
+    "reduce fp32, grads kept as zeros": (
+        {"reduce_dtype": FP32, "buffer_dtype": BF16},
+        {"set_to_none": False},
+        1,
+    ),
+    "reduce fp32, static_graph": (
+        {"reduce_dtype": FP32, "buffer_dtype": BF16},
+        {"static_graph": True},
+        2,
+    ),
 }
 AT_THREE = ("reduce fp32, buffers bf16", "reduce bf16, buffers bf16", "reduce fp16, buffers unset")
 
@@ -49,17 +57,25 @@ def _config(**kwargs: torch.dtype) -> _MixedPrecision:
     return _MixedPrecision(param_dtype=BF16, **kwargs)
 
 
-def _parity(rank: int, names: tuple[str, ...], ours_warm_up: bool) -> dict[str, dict[str, list[str]]]:
+def _parity(
+    rank: int, names: tuple[str, ...], ours_warm_up: bool
+) -> dict[str, dict[str, list[str]]]:
     found = {}
     for name in names:
         kwargs, options, discard = CASES[name]
         first = train(TorchDDP, rank, _config(**kwargs), warm_up=discard, **options)
         again = train(TorchDDP, rank, _config(**kwargs), warm_up=discard, **options)
-        ours = train(GradsyncDDP, rank, _config(**kwargs), warm_up=discard if ours_warm_up else 0, **options)
+        ours = train(
+            GradsyncDDP, rank, _config(**kwargs), warm_up=discard if ours_warm_up else 0, **options
+        )
         found[name] = {
             "torch vs torch": differences(again, first),
             "gradsync vs torch": differences(ours, first),
-            "buffer dtypes": {k: v.dtype for k, v in first["state"].items() if k.startswith(("norm.r", "norm.n", "scale"))},
+            "buffer dtypes": {
+                k: v.dtype
+                for k, v in first["state"].items()
+                if k.startswith(("norm.r", "norm.n", "scale"))
+            },
         }
     return found
 
@@ -90,12 +106,23 @@ def _what_torch_raises(rank: int) -> dict[str, str]:
     config = _config(reduce_dtype=FP32, buffer_dtype=BF16)
     return {
         "no_sync": _raised(_torch_no_sync, rank),
-        "find_unused_parameters": _raised(train, TorchDDP, rank, config, steps=2, warm_up=1, find_unused_parameters=True),
+        "find_unused_parameters": _raised(
+            train, TorchDDP, rank, config, steps=2, warm_up=1, find_unused_parameters=True
+        ),
         "comm hook": _raised(train, TorchDDP, rank, config, steps=1, hook=allreduce_hook),
-        "eval forward": _raised(train, TorchDDP, rank, config, steps=1, warm_up=1, eval_forwards=True),
+        "eval forward": _raised(
+            train, TorchDDP, rank, config, steps=1, warm_up=1, eval_forwards=True
+        ),
         # param_dtype=None reaches the C++ reducer as a dtype read from None (uint8 here).
-        "reduce_dtype alone": _raised(train, TorchDDP, rank, _MixedPrecision(reduce_dtype=FP16), steps=1,
-                                      warm_up=1, batchnorm=False),
+        "reduce_dtype alone": _raised(
+            train,
+            TorchDDP,
+            rank,
+            _MixedPrecision(reduce_dtype=FP16),
+            steps=1,
+            warm_up=1,
+            batchnorm=False,
+        ),
     }
 
 
@@ -109,7 +136,10 @@ def _instead_of_torch(rank: int) -> dict[str, list[str]]:
     torchs = train(TorchDDP, rank, config, warm_up=1)
     return {
         "find_unused_parameters": differences(
-            train(GradsyncDDP, rank, config, spare=True, find_unused_parameters=True), torchs, skip=("spare",)),
+            train(GradsyncDDP, rank, config, spare=True, find_unused_parameters=True),
+            torchs,
+            skip=("spare",),
+        ),
         "comm hook": differences(train(GradsyncDDP, rank, config, hook=allreduce_hook), torchs),
         "eval forward": differences(train(GradsyncDDP, rank, config, eval_forwards=True), torchs),
         "no_sync, reduce fp32": _no_sync_differences(rank, FP32),
@@ -131,7 +161,9 @@ def _reduce_only_differences(rank: int) -> list[str]:
     loss(plain(x), y).backward()
     everyone: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, {n: p.grad for n, p in plain.named_parameters()})
-    want = {n: sum(r[n].to(FP16) for r in everyone).div_(len(everyone)).float() for n in everyone[0]}
+    want = {
+        n: sum(r[n].to(FP16) for r in everyone).div_(len(everyone)).float() for n in everyone[0]
+    }
     return differences({n: p.grad for n, p in model.named_parameters()}, want)
 
 
@@ -153,7 +185,9 @@ def _no_sync_differences(rank: int, reduce_dtype: torch.dtype, micro_steps: int 
                        {"grads": want, "dtypes": [FP32] * len(want)})
 
 
-def _no_sync_reference(data: list[tuple[torch.Tensor, torch.Tensor]], reduce_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def _no_sync_reference(
+    data: list[tuple[torch.Tensor, torch.Tensor]], reduce_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """Each rank's bf16 gradients, summed in float32 over the no_sync steps (gradsync's
     choice); then torch's arithmetic for the synchronised step: the accumulated gradient cast
     down to bf16 before forward (`_root_copy_hook`), the step's own added by autograd in bf16,
@@ -166,12 +200,17 @@ def _no_sync_reference(data: list[tuple[torch.Tensor, torch.Tensor]], reduce_dty
         loss(low(x.to(BF16)), y).backward()
         for n, p in low.named_parameters():
             if j < len(data) - 1:
-                accumulated[n] = accumulated[n] + p.grad.float() if n in accumulated else p.grad.float()
+                accumulated[n] = (
+                    accumulated[n] + p.grad.float() if n in accumulated else p.grad.float()
+                )
             else:
                 accumulated[n] = accumulated[n].to(BF16) + p.grad
     everyone: list[dict[str, torch.Tensor]] = [{} for _ in range(dist.get_world_size())]
     dist.all_gather_object(everyone, accumulated)
-    return {n: sum(r[n].to(reduce_dtype) for r in everyone).div_(len(everyone)).float() for n in accumulated}
+    return {
+        n: sum(r[n].to(reduce_dtype) for r in everyone).div_(len(everyone)).float()
+        for n in accumulated
+    }
 
 
 def _at_two(rank: int, group: object) -> dict[str, object]:
@@ -200,8 +239,12 @@ def _assert_parity(results: list[dict[str, object]], names: tuple[str, ...]) -> 
     for rank, result in enumerate(results):
         for name in names:
             found = result["parity"][name]
-            assert found["torch vs torch"] == [], f"rank {rank}, {name}: torch's own is no reference"
-            assert found["gradsync vs torch"] == [], f"rank {rank}, {name}: {found['gradsync vs torch'][:8]}"
+            assert found["torch vs torch"] == [], (
+                f"rank {rank}, {name}: torch's own is no reference"
+            )
+            assert found["gradsync vs torch"] == [], (
+                f"rank {rank}, {name}: {found['gradsync vs torch'][:8]}"
+            )
 
 
 @pytest.mark.timeout(170)
@@ -209,7 +252,9 @@ def test_gradsync_equals_torchs_own_mixed_precision_at_two_ranks(at_two):
     _assert_parity(at_two, tuple(CASES))
     # The buffers compared include an integer one, cast as torch casts every buffer.
     dtypes = at_two[0]["parity"]["reduce fp32, buffers bf16"]["buffer dtypes"]
-    assert dtypes["norm.num_batches_tracked"] == BF16 and dtypes["norm.running_mean"] == BF16, dtypes
+    assert (
+        dtypes["norm.num_batches_tracked"] == BF16 and dtypes["norm.running_mean"] == BF16
+    ), dtypes
     assert at_two[0]["parity"]["reduce fp16, buffers unset"]["buffer dtypes"]["scale"] == FP32
 
 
@@ -224,10 +269,13 @@ def test_torchs_own_mixed_precision_still_raises_where_gradsync_goes_on(at_two):
     # If one of these starts working in a new torch, compare gradsync against it instead.
     for result in at_two:
         raised = result["torch raises"]
-        assert raised["no_sync"].startswith("RuntimeError: Expected to mark a variable ready only once"), raised
+        assert raised["no_sync"].startswith(
+            "RuntimeError: Expected to mark a variable ready only once"
+        ), raised
         assert raised["find_unused_parameters"].startswith("AttributeError"), raised
-        assert raised["comm hook"].startswith("RuntimeError: register_comm_hook or register_builtin_comm_hook "
-                                              "can only be called once"), raised
+        assert raised["comm hook"].startswith(
+            "RuntimeError: register_comm_hook or register_builtin_comm_hook can only be called once"
+        ), raised
         assert raised["eval forward"].startswith("AttributeError"), raised
         assert raised["reduce_dtype alone"] != "no error", raised
 

@@ -51,7 +51,9 @@ def two_hosts():
 def _run_two_hosts(cluster: EmulatedCluster, out: str) -> list[str]:
     """Launch both hosts, wait for both within the deadline, return each host's output."""
     done = cluster.torchrun([SCRIPT, str(STEPS), out], timeout=RUN_TIMEOUT, env=ENV)
-    report = "\n".join(f"--- host {i} (exit {d.returncode}):\n{d.stdout}" for i, d in enumerate(done))
+    report = "\n".join(
+        f"--- host {i} (exit {d.returncode}):\n{d.stdout}" for i, d in enumerate(done)
+    )
     assert all(d.returncode == 0 for d in done), report
     return [d.stdout for d in done]
 

@@ -22,7 +22,11 @@ def test_torchrun_training_matches_torch_ddp_step_for_step():
 
 def test_demo_trains_and_proves_synchronisation(tmp_path):
     result = run_torchrun(
-        "gradsync.tools.demo", 2, ["--epochs", "12", "--out", str(tmp_path)], module=True, timeout=180
+        "gradsync.tools.demo",
+        2,
+        ["--epochs", "12", "--out", str(tmp_path)],
+        module=True,
+        timeout=180,
     )
     out = result.stdout
     assert result.returncode == 0, out
@@ -43,8 +47,14 @@ def test_demo_runs_without_the_plot_extra(tmp_path):
     (hidden / "matplotlib.py").write_text(
         "raise ModuleNotFoundError(\"No module named 'matplotlib'\", name='matplotlib')\n")
     path = os.pathsep.join(filter(None, [str(hidden), os.environ.get("PYTHONPATH")]))
-    result = run_torchrun("gradsync.tools.demo", 2, ["--epochs", "12", "--out", str(tmp_path / "out")],
-                          module=True, timeout=180, env={"PYTHONPATH": path})
+    result = run_torchrun(
+        "gradsync.tools.demo",
+        2,
+        ["--epochs", "12", "--out", str(tmp_path / "out")],
+        module=True,
+        timeout=180,
+        env={"PYTHONPATH": path},
+    )
     assert result.returncode == 0, result.stdout
     assert "overlap timeline (PNG):  not drawn: matplotlib is not installed" in result.stdout
     assert "parameters identical on all 2 ranks: True" in result.stdout
@@ -89,7 +99,11 @@ def test_readme_shows_the_example_that_is_tested():
 
 def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
     result = run_torchrun(
-        "gradsync.tools.benchsuite", 2, ["--quick", "--out", str(tmp_path)], module=True, timeout=300
+        "gradsync.tools.benchsuite",
+        2,
+        ["--quick", "--out", str(tmp_path)],
+        module=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout
     summary = json.loads((tmp_path / "bench.json").read_text())
@@ -101,7 +115,8 @@ def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
         }
         assert max(model["max_param_diff_to_torch"].values()) <= 1e-3
         assert model["ratio_to_torch"]["torch DDP"] == 1.0
-        assert set(model["cpu_ms_per_step"]) == set(model["median_ms"])  # every variant's CPU per step
+        # every variant's CPU per step
+        assert set(model["cpu_ms_per_step"]) == set(model["median_ms"])
         assert all(0.0 < share for share in model["cpu_share_of_step"].values())
     assert (tmp_path / "bench.png").read_bytes()[:4] == b"\x89PNG"
     assert "communication floor" in (tmp_path / "bench.md").read_text()
@@ -116,8 +131,20 @@ def test_ctrl_c_stops_every_rank_of_the_demo(tmp_path):
     from gradsync.testing import kill_process_tree
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "gradsync.tools.cli", "demo", "--epochs", "100000", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [
+            sys.executable,
+            "-m",
+            "gradsync.tools.cli",
+            "demo",
+            "--epochs",
+            "100000",
+            "--out",
+            str(tmp_path),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 60
@@ -151,7 +178,9 @@ def _children(pid):
 
 
 @pytest.mark.timeout(400)
-def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like_an_uninterrupted_run(tmp_path):
+def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like_an_uninterrupted_run(
+    tmp_path,
+):
     import torch
 
     example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "resume.py")
@@ -177,7 +206,9 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like
         assert torch.equal(a[name], b[name]), f"{name}\n{out}"
 
 
-VALIDATE = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "validate_simulator.py")
+VALIDATE = os.path.join(
+    os.path.dirname(__file__), "..", "..", "benchmarks", "validate_simulator.py"
+)
 
 
 def test_simulator_validation_measures_and_reports_every_mode(tmp_path):
@@ -196,7 +227,9 @@ def test_simulator_validation_measures_and_reports_every_mode(tmp_path):
     repeats = json.loads((tmp_path / "validation.json").read_text())
     assert len(repeats) == 2 and set(repeats[0]) == {"2", "3"}
     run = repeats[0]["3"]["models"]["convnet"]
-    assert run["load"]["step_ms"] > 0 and set(run["measured_ms"]) == {"default", "planned", "no overlap"}
+    assert run["load"]["step_ms"] > 0 and (
+        set(run["measured_ms"]) == {"default", "planned", "no overlap"}
+    )
 
 
 def test_committed_simulator_validation_reports_again(tmp_path):
@@ -204,12 +237,19 @@ def test_committed_simulator_validation_reports_again(tmp_path):
     import subprocess
     import sys
 
-    committed = os.path.join(os.path.dirname(VALIDATE), "..", "docs", "simulator", "validation.json")
+    committed = os.path.join(
+        os.path.dirname(VALIDATE), "..", "docs", "simulator", "validation.json"
+    )
     single = tmp_path / "single.json"
-    single.write_text(json.dumps(json.loads(open(committed).read())[0]))  # one repeat, the old format
+    # one repeat, the old format
+    single.write_text(json.dumps(json.loads(open(committed).read())[0]))
     for source in (committed, str(single)):
-        result = subprocess.run([sys.executable, VALIDATE, "--from-json", source, "--out", str(tmp_path)],
-                                capture_output=True, text=True, timeout=120)
+        result = subprocess.run(
+            [sys.executable, VALIDATE, "--from-json", source, "--out", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert result.returncode == 0, result.stderr
         assert "2-rank profile, machine probed: median error" in result.stdout
 
@@ -218,8 +258,13 @@ def test_probe_describes_the_group_for_the_simulator(tmp_path, capsys):
     from gradsync.planning.simulate import Profile
     from gradsync.tools.cli import main as cli
 
-    result = run_torchrun("gradsync.planning.probe", 2, ["--out", str(tmp_path), "--threads", "1", "--gradient-mib", "1"],
-                          module=True, timeout=120)
+    result = run_torchrun(
+        "gradsync.planning.probe",
+        2,
+        ["--out", str(tmp_path), "--threads", "1", "--gradient-mib", "1"],
+        module=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stdout
     assert "under load:" in result.stdout and "a ring of" in result.stdout
     idle = json.loads((tmp_path / "idle-2.json").read_text())

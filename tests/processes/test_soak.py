@@ -53,7 +53,12 @@ def test_memory_verdict_measures_growth_from_a_tenth_of_the_run():
         return {"iteration": iteration, "phase": phase, "rss_mb": rss, "hwm_mb": rss + 1,
                 "gc_objects": 0, "fds": 3, "threads": 1}
 
-    samples = [sample(0, 100, "start"), sample(9, 150), sample(99, 160), sample(100, 90, "teardown")]
+    samples = [
+        sample(0, 100, "start"),
+        sample(9, 150),
+        sample(99, 160),
+        sample(100, 90, "teardown"),
+    ]
     flat = soak.memory_verdict(samples, 100, limit_mb=16)
     assert flat["baseline_iteration"] == 9 and flat["rss_growth_mb"] == 10 and flat["flat"]
     assert flat["hwm_mb"] == 161 and flat["rss_after_teardown_mb"] == 90
@@ -64,6 +69,8 @@ def test_memory_verdict_measures_growth_from_a_tenth_of_the_run():
 def test_plan_is_the_same_on_every_rank_and_varies_per_iteration():
     import random
 
-    plans = [[soak.draw_iteration(r, 3) for _ in range(50)] for r in (random.Random(0), random.Random(0))]
+    plans = [
+        [soak.draw_iteration(r, 3) for _ in range(50)] for r in (random.Random(0), random.Random(0))
+    ]
     assert plans[0] == plans[1]
     assert {len(p) for p in plans[0]} == {1, 2, 3, 4}  # 0-3 no_sync micro-steps, then a synced one

@@ -21,8 +21,10 @@ def test_gradsyncs_zero_equals_torchs_and_ddp_with_the_plain_optimizer():
     for rank in (0, 1):
         for kind in ("gradsync", "gradsync zero1"):
             for optimizer in ("sgd", "adam", "adamw"):
-                line = (f"rank {rank}: {kind}: {optimizer}: equal to torch's ZeroRedundancyOptimizer True, "
-                        f"to DDP + {optimizer} True")
+                line = (
+                    f"rank {rank}: {kind}: {optimizer}: equal to torch's "
+                    f"ZeroRedundancyOptimizer True, to DDP + {optimizer} True"
+                )
                 assert line in result.stdout, result.stdout[-6000:]
     assert result.stdout.count("consolidated state equal True") == 6, result.stdout[-6000:]
 
@@ -34,4 +36,6 @@ def test_a_sharded_checkpoint_resumes_in_a_new_torchrun_job(tmp_path):
     resumed = run_torchrun(SCRIPT, 2, ["resume", str(tmp_path)], timeout=100)
     assert resumed.returncode == 0, resumed.stdout[-6000:]
     for rank in (0, 1):
-        assert f"rank {rank}: resumed equal to uninterrupted True" in resumed.stdout, resumed.stdout[-6000:]
+        assert f"rank {rank}: resumed equal to uninterrupted True" in resumed.stdout, (
+            resumed.stdout[-6000:]
+        )

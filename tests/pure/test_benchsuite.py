@@ -19,7 +19,12 @@ from gradsync.tools.cli import cluster_bench_args
 
 def test_the_loopback_set_is_the_default_and_a_cluster_gets_the_models_sized_for_it():
     assert parse_args([]).models == ",".join(LOOPBACK_MODELS)
-    assert cluster_bench_args(["--rounds", "3"]) == ["--models", ",".join(CLUSTER_MODELS), "--rounds", "3"]
+    assert cluster_bench_args(["--rounds", "3"]) == [
+        "--models",
+        ",".join(CLUSTER_MODELS),
+        "--rounds",
+        "3",
+    ]
     assert cluster_bench_args(["--models", "convnet"]) == ["--models", "convnet"]
     assert cluster_bench_args(["--models=convnet"]) == ["--models=convnet"]
     assert parse_args(cluster_bench_args([])).models.split(",") == list(CLUSTER_MODELS)
@@ -41,7 +46,11 @@ def test_the_cluster_models_have_the_gradients_they_are_named_for_and_stay_finit
 
 
 def test_a_variant_that_diverged_is_a_mismatch_not_a_match():
-    same = {"a": {"gradsync": 0.0, "no overlap": 0.0}, "b": {"gradsync": math.nan}, "c": {"gradsync": 2e-3}}
+    same = {
+        "a": {"gradsync": 0.0, "no overlap": 0.0},
+        "b": {"gradsync": math.nan},
+        "c": {"gradsync": 2e-3},
+    }
     assert sorted(mismatched(same)) == ["b", "c"]  # NaN compares false both ways: counted as bad
 
 
@@ -73,7 +82,12 @@ def test_the_floor_with_the_links_cpu_adds_each_cores_share_of_an_all_reduces_cp
     for t in (0.200, 0.210, 0.190):
         for v in VARIANTS:
             result.add(v, t / 2 if v == "compute only" else t)
-    data = {"result": result, "nbytes": 2**20, "cost": CostModel(1.0, 50.0 / 2**20), "comm_cpu": None}
+    data = {
+        "result": result,
+        "nbytes": 2**20,
+        "cost": CostModel(1.0, 50.0 / 2**20),
+        "comm_cpu": None,
+    }
     assert _cpu_floor_ms(data) is None and _cpu_floor_lines(data) == []  # not measured: no line
     data["comm_cpu"] = CommCpu(allreduce_ms=51.0, busy_ms=30.0, cores=2)
     assert _cpu_floor_ms(data) == pytest.approx(100.0 + 15.0)  # compute 100 ms + 15 ms per core
@@ -89,7 +103,10 @@ def test_cpu_use_is_each_variants_median_cpu_per_step_and_its_share_of_the_step(
     data = {"cpu": {"torch DDP": [(0.150, 0.70), (0.160, 0.75), (0.170, 0.80)],
                     "gradsync planned": [(0.200, 0.97), (0.190, 0.95), (0.210, 0.99)]}}
     use = cpu_use(data)
-    assert use["torch DDP"] == pytest.approx((160.0, 0.75)) and use["gradsync planned"] == pytest.approx((200.0, 0.97))
+    assert (
+        use["torch DDP"] == pytest.approx((160.0, 0.75))
+        and use["gradsync planned"] == pytest.approx((200.0, 0.97))
+    )
     line = _cpu_use_lines(data)[0]
     assert "torch DDP 160.0 ms (75%)" in line and "gradsync planned 200.0 ms (97%)" in line
 
@@ -105,8 +122,12 @@ def test_the_device_bench_is_chosen_by_device_or_model_with_its_own_defaults():
     own = parse_args(["--model", "mymodels:build"])  # a user's model: on CPU unless --device says
     assert own.device == "cpu" and own.device_models == []
     assert parse_args([]).device is None and parse_args([]).rounds == 25  # the CPU bench, as before
-    for bad in (["--device", "cuda", "--models", "tiny_gpt"], ["--device", "cpu", "--variants", "gradsync,nope"],
-                ["--model", "no_function_named"], ["--device", "cpu", "--rounds", "1"]):
+    for bad in (
+        ["--device", "cuda", "--models", "tiny_gpt"],
+        ["--device", "cpu", "--variants", "gradsync,nope"],
+        ["--model", "no_function_named"],
+        ["--device", "cpu", "--rounds", "1"],
+    ):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -124,16 +145,22 @@ def test_a_users_function_gives_the_model_a_batch_and_optionally_the_loss(tmp_pa
     from gradsync.tools.devicebench import default_loss, load_user_workload
 
     (tmp_path / "models_here.py").write_text(
-        "import torch\nfrom torch import nn\n"
-        "def plain():\n    return nn.Linear(3, 2), torch.ones(4, 3)\n"
-        "def with_loss():\n    return nn.Linear(3, 2), {'input': torch.ones(4, 3)}, lambda out, batch: out.sum()\n"
-        "def wrong():\n    return nn.Linear(3, 2)\n"
+        "import torch\nfrom torch import nn\ndef plain():\n    return nn.Linear(3, 2), "
+        "torch.ones(4, 3)\ndef with_loss():\n    return nn.Linear(3, 2), {'input': torch.ones(4, "
+        "3)}, lambda out, batch: out.sum()\ndef wrong():\n    return nn.Linear(3, 2)\n"
     )
     work = load_user_workload(f"{tmp_path / 'models_here.py'}:plain")
-    assert work.loss is default_loss and work.batches[0].shape == (4, 3) and work.compile_backend is None
-    work = load_user_workload(f"{tmp_path / 'models_here.py'}:with_loss", torch.bfloat16, "aot_eager")
+    assert (
+        work.loss is default_loss
+        and work.batches[0].shape == (4, 3)
+        and work.compile_backend is None
+    )
+    work = load_user_workload(
+        f"{tmp_path / 'models_here.py'}:with_loss", torch.bfloat16, "aot_eager"
+    )
     assert work.loss(torch.ones(2), None).item() == 2.0 and work.autocast is torch.bfloat16
-    assert "gradsync find_unused" not in work.variants  # compiled: not the find_unused pair by default
+    # compiled: not the find_unused pair by default
+    assert "gradsync find_unused" not in work.variants
     for spec in (f"{tmp_path / 'models_here.py'}:wrong", f"{tmp_path / 'models_here.py'}:absent"):
         with pytest.raises(ValueError):
             load_user_workload(spec)
@@ -156,16 +183,33 @@ def test_the_device_report_has_a_row_per_model_and_extra_columns():
 
     c = Comparison(["no DDP", "torch DDP", "torch DDP (again)", "gradsync"])
     for t in (0.010, 0.011, 0.012):
-        for v, k in (("no DDP", 0.9), ("torch DDP", 1.0), ("torch DDP (again)", 1.0), ("gradsync", 1.1)):
+        for v, k in (
+            ("no DDP", 0.9),
+            ("torch DDP", 1.0),
+            ("torch DDP (again)", 1.0),
+            ("gradsync", 1.1),
+        ):
             c.add(v, t * k)
-    data = {"result": c, "tensors": 148, "parameters": 124e6, "nbytes": 2**29, "peak_bytes": {"gradsync": 3 * 2**30},
-            "build_s": {"gradsync": 1.0}, "same": {"gradsync": 0.0}, "describe": "GPT-2-small shape",
-            "rounds": 3, "repeat": 5}
+    data = {
+        "result": c,
+        "tensors": 148,
+        "parameters": 124e6,
+        "nbytes": 2**29,
+        "peak_bytes": {"gradsync": 3 * 2**30},
+        "build_s": {"gradsync": 1.0},
+        "same": {"gradsync": 0.0},
+        "describe": "GPT-2-small shape",
+        "rounds": 3,
+        "repeat": 5,
+    }
     table = summary_table({"gpt2_small": data})
     head, _, row = table.splitlines()
     assert "| torch's DDP / no DDP | gradsync / torch's DDP |" in head and "find_unused" not in head
-    assert row.startswith("| GPT-2-small shape | 148 | 1.111 (") and "| 1.100 (1.100–1.100) |" in row
+    assert (
+        row.startswith("| GPT-2-small shape | 148 | 1.111 (") and "| 1.100 (1.100–1.100) |" in row
+    )
     text = report("gpt2_small", data, "world size 1")
     assert "| peak MiB |" in text and "| 3,072 |" in text and "gradsync 0.0e+00" in text
     assert summary_json(data)["pairs"]["gradsync / torch DDP"]["ratio"] == pytest.approx(1.1)
-    assert "| x |" not in markdown_table(c, "torch DDP", None, "ms")  # no extra columns unless asked
+    # no extra columns unless asked
+    assert "| x |" not in markdown_table(c, "torch DDP", None, "ms")

@@ -55,7 +55,9 @@ def test_mixed_dtypes_in_ready_order_match_torch_up_to_leftover_order(inputs, rn
     order = list(range(len(tensors)))
     rnd.shuffle(order)
     ordered = [tensors[i] for i in order]
-    want, want_limits = dist._compute_bucket_assignment_by_size(ordered, limits, sparse or [], order)
+    want, want_limits = dist._compute_bucket_assignment_by_size(
+        ordered, limits, sparse or [], order
+    )
     got, got_limits = compute_bucket_assignment_by_size(ordered, limits, sparse, order)
     assert sorted(zip(got, got_limits)) == sorted(zip(want, want_limits))
 

@@ -20,7 +20,9 @@ class _NoCollectives:
 
     def __getattr__(self, name):
         def called(*args, **kwargs):
-            raise AssertionError(f"the process group's {name}() was called before the argument was checked")
+            raise AssertionError(
+                f"the process group's {name}() was called before the argument was checked"
+            )
 
         return called
 
@@ -47,7 +49,12 @@ BAD = [
     ("init_sync", "no", TypeError, "expected True or False"),
     ("process_group", 5, TypeError, "expected a torch.distributed.ProcessGroup"),
     ("process_group", "gloo", TypeError, "expected a torch.distributed.ProcessGroup"),
-    ("process_group", GroupMember.NON_GROUP_MEMBER, ValueError, "is not a member of the group passed"),
+    (
+        "process_group",
+        GroupMember.NON_GROUP_MEMBER,
+        ValueError,
+        "is not a member of the group passed",
+    ),
     ("bucket_cap_mb", "abc", TypeError, 'or "auto"'),
     ("bucket_cap_mb", [25], TypeError, "expected a bucket size in MiB"),
     ("bucket_cap_mb", -1, ValueError, "a number >= 0"),
@@ -59,9 +66,19 @@ BAD = [
     ("gradient_as_bucket_view", "yes", TypeError, "expected True or False"),
     ("static_graph", [True], TypeError, "expected True or False"),
     ("delay_all_reduce_named_params", 5, ValueError, "go together: pass both or neither"),
-    ("delay_all_reduce_named_params", "pairs with a trigger", TypeError, "expected a list of (name, parameter) pairs"),
+    (
+        "delay_all_reduce_named_params",
+        "pairs with a trigger",
+        TypeError,
+        "expected a list of (name, parameter) pairs",
+    ),
     ("param_to_hook_all_reduce", _PARAM, ValueError, "go together: pass both or neither"),
-    ("param_to_hook_all_reduce", "trigger with pairs", ValueError, "must be a parameter that requires grad"),
+    (
+        "param_to_hook_all_reduce",
+        "trigger with pairs",
+        ValueError,
+        "must be a parameter that requires grad",
+    ),
     ("mixed_precision", 5, TypeError, "expected torch's mixed precision config"),
     ("mixed_precision", "bf16", TypeError, "expected torch's mixed precision config"),
     ("device_mesh", 5, TypeError, "expected a torch.distributed.device_mesh.DeviceMesh"),
@@ -77,7 +94,9 @@ BAD = [
 
 def _call(keyword, value):
     model = _model()
-    kwargs = {} if keyword in ("process_group", "device_mesh") else {"process_group": _NoCollectives()}
+    kwargs = (
+        {} if keyword in ("process_group", "device_mesh") else {"process_group": _NoCollectives()}
+    )
     if keyword == "module":
         model = nn.LazyLinear(2) if value == "lazy" else value
     elif value == "pairs with a trigger":
@@ -90,8 +109,12 @@ def _call(keyword, value):
     GradsyncDDP(model, **kwargs)
 
 
-@pytest.mark.parametrize(("keyword", "value", "error", "says"), BAD, ids=[f"{k}={v!r:.20}" for k, v, _, _ in BAD])
-def test_a_wrong_value_is_refused_naming_the_keyword_before_any_collective(keyword, value, error, says):
+@pytest.mark.parametrize(
+    ("keyword", "value", "error", "says"), BAD, ids=[f"{k}={v!r:.20}" for k, v, _, _ in BAD]
+)
+def test_a_wrong_value_is_refused_naming_the_keyword_before_any_collective(
+    keyword, value, error, says
+):
     with pytest.raises(error) as info:
         _call(keyword, value)
     message = str(info.value)
@@ -107,6 +130,8 @@ def test_the_table_covers_every_keyword_of_torchs_constructor():
 
 
 def test_a_lazy_module_is_refused_with_init_sync_off_too():
-    with pytest.raises(RuntimeError, match=r"weight, bias.*Run one forward on a sample batch first"):
+    with pytest.raises(
+        RuntimeError, match=r"weight, bias.*Run one forward on a sample batch first"
+    ):
         GradsyncDDP(nn.LazyLinear(2), process_group=_NoCollectives(), init_sync=False)
 

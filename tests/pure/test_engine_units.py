@@ -28,11 +28,11 @@ def test_fill_divides_while_copying_and_zeros_what_has_no_gradient():
     assert params[0].grad[0, 0] == 6.0  # the gradient itself is left alone
 
 
-def test_fill_without_divisor_copies_for_a_hook_and_views_become_grads():
+def test_fill_dividing_by_one_copies_for_a_hook_and_views_become_grads():
     params = _params((3,), (2,))
     params[0].grad = torch.tensor([1.0, 2.0, 3.0])
     bucket = Bucket(0, [0, 1], params)
-    bucket.fill(divisor=0, as_view=True)
+    bucket.fill(divisor=1, as_view=True)  # 1: copied as they are
     assert torch.equal(bucket.buffer, torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0]))
     assert params[0].grad.data_ptr() == bucket.views[0].data_ptr()  # now a view of the bucket
     assert params[1].grad is None  # no gradient: not made one
@@ -59,7 +59,9 @@ def test_write_back_casts_a_payload_of_another_dtype():
     bucket.launch_payload(torch.float32, divisor=2)
     bucket.payload.copy_(torch.tensor([1.0, 2.0, 3.0]))
     bucket.write_back(used=None, as_view=False)
-    assert params[0].grad.dtype == torch.float32 and torch.equal(params[0].grad, torch.tensor([1.0, 2.0, 3.0]))
+    assert params[0].grad.dtype == torch.float32 and torch.equal(
+        params[0].grad, torch.tensor([1.0, 2.0, 3.0])
+    )
 
 
 def test_a_bucket_carries_a_tail_after_its_gradients():
@@ -89,7 +91,10 @@ def test_phases_have_names(phase):
 
 def test_a_pool_lends_the_smallest_fitting_buffer_and_keeps_no_more_than_asked():
     pool = BufferPool(keep=2)
-    a, b = pool.take(10, torch.float32, torch.device("cpu")), pool.take(100, torch.float32, torch.device("cpu"))
+    a, b = (
+        pool.take(10, torch.float32, torch.device("cpu")),
+        pool.take(100, torch.float32, torch.device("cpu")),
+    )
     pool.give(b)
     pool.give(a)
     assert pool.take(5, torch.float32, torch.device("cpu")) is a  # smallest that fits
@@ -117,7 +122,7 @@ def test_a_transient_bucket_on_a_stale_lent_buffer_zeros_its_padding_and_tail():
     assert bucket.wire.numel() == 0 and pool.allocations == 0 and pool.held_bytes == 16 * 4
 
 
-@pytest.mark.parametrize("divisor", [0, 3])
+@pytest.mark.parametrize("divisor", [1, 3])  # 1: copied as they are
 def test_large_gradients_taken_at_their_hooks_fill_the_bucket_as_one_fill_would(divisor):
     def bucket_with_grads():
         params = _params((70_000,), (5,), (40_000,), (3,))  # two large (taken early), two small
@@ -129,8 +134,8 @@ def test_large_gradients_taken_at_their_hooks_fill_the_bucket_as_one_fill_would(
     whole.fill(divisor, as_view=False)
     early = bucket_with_grads()
     assert early.copies_early and early.early == [True, False, True, False]
-    early.take_one(2, divisor, as_view=False)  # arrived first
-    early.take_one(0, divisor, as_view=False)
+    early.copy_early(2, divisor, as_view=False)  # arrived first
+    early.copy_early(0, divisor, as_view=False)
     early.fill(divisor, as_view=False)  # the last one's arrival: only the rest copied now
     assert torch.equal(early.buffer, whole.buffer)
     early.reset()
@@ -141,9 +146,10 @@ def test_a_large_gradient_missing_at_its_hook_is_zeroed_by_the_fill_and_the_rest
     params = _params((70_000,), (5,), (40_000,))
     params[1].grad, params[2].grad = torch.full((5,), 4.0), torch.full((40_000,), 8.0)
     bucket = Bucket(0, [0, 1, 2], params)
-    bucket.buffer.fill_(float("nan"))  # the buffer is never zeroed up front: the fill must write it all
-    bucket.take_one(0, 2, as_view=False)  # no gradient yet: left for the fill
-    bucket.take_one(2, 2, as_view=False)
+    # the buffer is never zeroed up front: the fill must write it all
+    bucket.buffer.fill_(float("nan"))
+    bucket.copy_early(0, 2, as_view=False)  # no gradient yet: left for the fill
+    bucket.copy_early(2, 2, as_view=False)
     bucket.fill(2, as_view=False)
     assert torch.equal(bucket.views[0], torch.zeros(70_000))
     assert torch.equal(bucket.views[1], torch.full((5,), 2.0))
@@ -163,8 +169,8 @@ def test_a_fill_divides_as_torchs_reducer_does_in_every_float_dtype(dtype):
     for early in (False, True):
         bucket = Bucket(0, list(range(len(params))), params)
         if early:
-            bucket.take_one(4, 3, as_view=False)
-            bucket.take_one(1, 3, as_view=False)
+            bucket.copy_early(4, 3, as_view=False)
+            bucket.copy_early(1, 3, as_view=False)
         bucket.fill(3, as_view=False)
         for p, view in zip(params, bucket.views):
             assert torch.equal(view, torch.mul(p.grad, 1.0 / 3)), (dtype, early, p.shape)
@@ -181,11 +187,16 @@ def test_flat_views_keep_each_parameters_values_and_strides():
     bias, skipped = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2, 3).t())
     before = [(p.detach().clone(), p.stride()) for p in (weight, bias, skipped)]
     [(buffer, members)] = _flat_views([weight, bias, skipped])
-    assert members == [weight, bias] and buffer.numel() == 36 + 4  # the transposed one is not contiguous
+    # the transposed one is not contiguous
+    assert members == [weight, bias] and buffer.numel() == 36 + 4
     for p, (values, stride) in zip((weight, bias, skipped), before):
         assert torch.equal(p, values) and p.stride() == stride
     assert weight.is_contiguous(memory_format=torch.channels_last)
-    assert weight.untyped_storage().data_ptr() == bias.untyped_storage().data_ptr() == buffer.data_ptr()
+    assert (
+        weight.untyped_storage().data_ptr()
+        == bias.untyped_storage().data_ptr()
+        == buffer.data_ptr()
+    )
 
 
 def test_bucket_views_take_the_parameters_strides_wherever_its_memory_is_dense():

@@ -96,7 +96,8 @@ def test_a_shared_host_stretches_compute_relative_to_the_recorded_run():
     net = Network(1000.0, 0.0)  # communication nearly free: the step is compute
     (two, four) = simulate(recorded_at_2, net, [2, 4], host)
     assert four.compute_ms == pytest.approx(2 * two.compute_ms)
-    assert simulate(recorded_at_2, net, [4])[0].compute_ms == pytest.approx(two.compute_ms)  # no host
+    # no host
+    assert simulate(recorded_at_2, net, [4])[0].compute_ms == pytest.approx(two.compute_ms)
     with pytest.raises(ValueError, match="at least one rank and one core"):
         Host(ranks=2, cores=0)
 
@@ -158,7 +159,9 @@ def test_load_probes_price_a_saturated_host():
     eight = simulate(recorded, Network(1.0, 5.0), [8], host, loads)[0]
     assert eight == simulate(recorded, Network(1.0, 5.0), [8], host)[0]
     free = Host(ranks=4, cores=8, cpu_collectives=True)
-    assert simulate(recorded, Network(1.0, 5.0), [4], free, loads) == simulate(recorded, Network(1.0, 5.0), [4], free)
+    assert simulate(recorded, Network(1.0, 5.0), [4], free, loads) == simulate(
+        recorded, Network(1.0, 5.0), [4], free
+    )
 
 
 def test_probe_under_load_on_a_real_group_agrees_across_ranks(tmp_path):
@@ -202,14 +205,19 @@ def test_probe_under_load_raises_when_a_rank_does_not_take_part():
 
     def body(rank, group):
         if rank == 0:  # rank 1 never probes: rank 0 must give up, not wait forever
-            probe_under_load(group, sizes=(4 << 10,), repeats=1, busy_ms=1.0, timeout=timedelta(seconds=1))
+            probe_under_load(
+                group, sizes=(4 << 10,), repeats=1, busy_ms=1.0, timeout=timedelta(seconds=1)
+            )
         return "absent"
 
-    with pytest.raises(RankError, match=r"rank 0.*loaded cost-model calibration.*(did not complete within|failed)"):
+    with pytest.raises(
+        RankError, match=r"rank 0.*loaded cost-model calibration.*(did not complete within|failed)"
+    ):
         run_threaded(body, 2, timeout=30)
 
 
-# ------------------------------------------------------------------ contention and the reducer's work
+# ------------------------------------------------------------------ contention and the reducer's
+# work
 
 
 def test_a_measured_contention_share_round_trips_through_the_hosts_cores():
@@ -242,11 +250,17 @@ def test_without_contention_or_reducer_costs_predictions_are_the_planners_own():
     ready, nbytes = list(PROFILE.ready_ms), list(PROFILE.nbytes)
     finish = predict_finish_ms(ready, nbytes, [list(b) for b in plain.planned_layout], cost)
     assert plain.planned_ms == pytest.approx(PROFILE.forward_ms + max(finish, ready[-1]))
-    # The reducer's fill (per byte) and tail add to no overlap exactly, and never make a layout faster.
+    # The reducer's fill (per byte) and tail add to no overlap exactly, and never make a layout
+    # faster.
     costly = replace(PROFILE, fill_ms_per_byte=1e-7, tail_ms=2.0)
     (charged,) = simulate(costly, network, [2])
-    assert charged.no_overlap_ms == pytest.approx(plain.no_overlap_ms + 1e-7 * sum(PROFILE.nbytes) + 2.0)
-    assert charged.default_ms >= plain.default_ms + 2.0 and charged.planned_ms >= plain.planned_ms + 2.0
+    assert charged.no_overlap_ms == pytest.approx(
+        plain.no_overlap_ms + 1e-7 * sum(PROFILE.nbytes) + 2.0
+    )
+    assert (
+        charged.default_ms >= plain.default_ms + 2.0
+        and charged.planned_ms >= plain.planned_ms + 2.0
+    )
 
 
 def test_under_contention_backward_slows_while_collectives_fly_and_the_plan_takes_fewer():

@@ -20,7 +20,9 @@ from gradsync.engine.unused import (
 )
 
 
-def _engine_answer(accumulators: Accumulators, outputs: list[torch.Tensor], loss: torch.Tensor, **backward):
+def _engine_answer(
+    accumulators: Accumulators, outputs: list[torch.Tensor], loss: torch.Tensor, **backward
+):
     """Run backward from `loss`; the engine's answer as the prehook of the outputs' node sees it."""
     (node,) = {t.grad_fn for t in outputs}
     answers = []
@@ -116,7 +118,9 @@ def test_the_batched_look_up_finds_the_nodes_autograd_uses():
     loss = sum((p * 2).sum() for p in params)
     seen = []
     for p in params:
-        p.register_post_accumulate_grad_hook(lambda t: seen.append(torch.autograd.graph.get_gradient_edge(t).node))
+        p.register_post_accumulate_grad_hook(
+            lambda t: seen.append(torch.autograd.graph.get_gradient_edge(t).node)
+        )
     loss.backward()
     assert sorted(map(id, seen)) == sorted(map(id, held))  # the graph ran exactly the nodes held
 

@@ -51,9 +51,14 @@ def train(cls: type, backend: str, mode: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    result = {"params": [p.detach().double().flatten().tolist() for p in model.parameters()], "losses": losses}
+    result = {
+        "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
+        "losses": losses,
+    }
     if cls is gradsync.DistributedDataParallel:
-        result["overlap"] = [_overlap(*args) for args in zip(ddp.reducer.history, started, inputs_done)]
+        result["overlap"] = [
+            _overlap(*args) for args in zip(ddp.reducer.history, started, inputs_done)
+        ]
         result["buckets"] = len(ddp.reducer.buckets)
     return result
 
@@ -72,7 +77,10 @@ def main() -> None:
     out_dir, backend = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
     results = {}
-    for name, cls in (("torch", torch.nn.parallel.DistributedDataParallel), ("gradsync", gradsync.DistributedDataParallel)):
+    for name, cls in (
+        ("torch", torch.nn.parallel.DistributedDataParallel),
+        ("gradsync", gradsync.DistributedDataParallel),
+    ):
         for mode in ("eager", "split", "whole"):
             results[f"{name}.{mode}"] = train(cls, backend, mode)
     with open(os.path.join(out_dir, f"compiled.{backend}.rank{dist.get_rank()}.json"), "w") as f:

@@ -22,4 +22,10 @@ for attempt in ("0", "1"):
     seen.append(store.check(["address-of-rank-0"]))
     store.set("address-of-rank-0", f"written by attempt {attempt}")
     dist.destroy_process_group()
-print("seen before writing, per attempt:", seen, "keys in the agent store:", agent.num_keys(), flush=True)
+print(
+    "seen before writing, per attempt:",
+    seen,
+    "keys in the agent store:",
+    agent.num_keys(),
+    flush=True,
+)

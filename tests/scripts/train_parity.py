@@ -28,9 +28,13 @@ def main() -> None:
     rank = dist.get_rank()
     planned = sys.argv[3:4] == ["auto"]
     # Planned: 1 MiB layers, so that a plan splits them into buckets the trial switches between.
-    ours_model, theirs_model = make_model(512 if planned else 64), make_model(512 if planned else 64)
+    ours_model, theirs_model = (
+        make_model(512 if planned else 64),
+        make_model(512 if planned else 64),
+    )
     ours = gradsync.DistributedDataParallel(ours_model, bucket_cap_mb="auto" if planned else 0.01)
-    if planned:  # plan early, try each candidate twice, confirm twice, one step a slot; overlap allowed,
+    # plan early, try each candidate twice, confirm twice, one step a slot; overlap allowed,
+    if planned:
         # so the candidates differ from the current layout whatever the contention probe says
         ours._auto.warmup, ours._auto.rounds, ours._auto.per_slot = 2, 2, 1
         ours._auto.confirm_rounds = 2  # the trial ends by step 27 (`decided_by`), well inside 40

@@ -18,14 +18,22 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from gradsync import DistributedDataParallel, ZeroRedundancyOptimizer
 
-OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adam": (torch.optim.Adam, {"lr": 0.01}),
-              "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "adam": (torch.optim.Adam, {"lr": 0.01}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
 
 
 def build() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(8, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 32),
+        torch.nn.Tanh(),
+        torch.nn.Linear(32, 4),
+    )
 
 
 def batch(step: int) -> torch.Tensor:
@@ -35,9 +43,13 @@ def batch(step: int) -> torch.Tensor:
 def train(kind: str, optimizer: str, steps: int = 5) -> tuple[list[torch.Tensor], dict]:
     model = build()
     cls, kwargs = OPTIMIZERS[optimizer]
-    wrapped = (DistributedDataParallel if kind.startswith("gradsync") else TorchDDP)(model, bucket_cap_mb=0.002)
+    wrapped = (DistributedDataParallel if kind.startswith("gradsync") else TorchDDP)(
+        model, bucket_cap_mb=0.002
+    )
     if kind.startswith("gradsync"):
-        opt = ZeroRedundancyOptimizer(model.parameters(), cls, shard_gradients=kind == "gradsync", **kwargs)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), cls, shard_gradients=kind == "gradsync", **kwargs
+        )
         assert opt.shards_gradients == (kind == "gradsync")
     elif kind == "torch zero":
         opt = TorchZero(model.parameters(), cls, **kwargs)
@@ -62,12 +74,20 @@ def compare() -> None:
             ours, our_state = train(kind, optimizer)
             same_zero = all(torch.equal(a, b) for a, b in zip(ours, theirs))
             same_plain = all(torch.equal(a, b) for a, b in zip(ours, plain))
-            line = (f"rank {rank}: {kind}: {optimizer}: equal to torch's ZeroRedundancyOptimizer {same_zero}, "
-                    f"to DDP + {optimizer} {same_plain}")
+            line = (
+                f"rank {rank}: {kind}: {optimizer}: equal to torch's "
+                f"ZeroRedundancyOptimizer {same_zero}, to DDP + {optimizer} {same_plain}"
+            )
             if rank == 0:  # consolidated states: the same tensors under the same global indices
-                same_state = (sorted(our_state["state"]) == sorted(their_state["state"]) == sorted(plain_state["state"])
-                              and all(torch.equal(torch.as_tensor(v), torch.as_tensor(plain_state["state"][i][k]))
-                                      for i, s in our_state["state"].items() for k, v in s.items()))
+                same_state = (
+                    sorted(our_state["state"])
+                    == sorted(their_state["state"])
+                    == sorted(plain_state["state"])
+                ) and all(
+                    torch.equal(torch.as_tensor(v), torch.as_tensor(plain_state["state"][i][k]))
+                    for i, s in our_state["state"].items()
+                    for k, v in s.items()
+                )
                 line += f", consolidated state equal {same_state}"
             print(line, flush=True)
 

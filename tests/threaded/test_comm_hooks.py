@@ -313,7 +313,9 @@ def test_a_thousand_buckets_ready_at_once_with_completed_futures_do_not_recurse(
 def test_hooks_are_launched_on_the_backward_thread_never_from_a_communication_thread():
     # As torch's DDP launches them (see HookChain), whatever the Futures' callbacks run on.
     def body(rank, group):
-        model = seeded(lambda: torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)]), 0)
+        model = seeded(
+            lambda: torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(12)]), 0
+        )
         ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=1e-7)  # 24 one-tensor buckets
         threads = set()
 
@@ -360,10 +362,16 @@ class _SlowGroup(torch.distributed.ProcessGroup):
 
 
 def _mean_allreduce_elsewhere(group, bucket):  # the same arithmetic, not a hook gradsync knows
-    return group.allreduce([bucket.buffer().div_(group.size())]).get_future().then(lambda f: f.value()[0])
+    return (
+        group.allreduce([bucket.buffer().div_(group.size())])
+        .get_future()
+        .then(lambda f: f.value()[0])
+    )
 
 
-@pytest.mark.parametrize("hook", [comm_hooks.allreduce_hook, torch_hooks.allreduce_hook, _mean_allreduce_elsewhere])
+@pytest.mark.parametrize(
+    "hook", [comm_hooks.allreduce_hook, torch_hooks.allreduce_hook, _mean_allreduce_elsewhere]
+)
 def test_known_one_allreduce_hooks_launch_as_buckets_fill_others_one_at_a_time(hook):
     # A known hook issues its one all-reduce inside the call, so it cannot interleave: the
     # chain launches it as soon as its bucket is full and the link never idles between buckets.
@@ -383,4 +391,5 @@ def test_known_one_allreduce_hooks_launch_as_buckets_fill_others_one_at_a_time(h
         if hook is _mean_allreduce_elsewhere:
             assert order == [(3, 0), (4, 0), (3, 1), (4, 1), (3, 2), (4, 2), (3, 3), (4, 3)]
         else:
-            assert kinds == [3, 3, 3, 3, 4, 4, 4, 4], order  # every launch before the first completion
+            # every launch before the first completion
+            assert kinds == [3, 3, 3, 3, 4, 4, 4, 4], order

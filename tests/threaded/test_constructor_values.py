@@ -14,9 +14,17 @@ from gradsync import DistributedDataParallel as GradsyncDDP
 from gradsync.testing import run_threaded, seeded
 
 ACCEPTED = [
-    ("find_unused_parameters", 1), ("find_unused_parameters", None), ("find_unused_parameters", np.True_),
-    ("gradient_as_bucket_view", 1), ("static_graph", 0), ("static_graph", None), ("broadcast_buffers", 0),
-    ("init_sync", 1), ("skip_all_reduce_unused_params", 1), ("bucket_cap_mb", 0), ("device_ids", []),
+    ("find_unused_parameters", 1),
+    ("find_unused_parameters", None),
+    ("find_unused_parameters", np.True_),
+    ("gradient_as_bucket_view", 1),
+    ("static_graph", 0),
+    ("static_graph", None),
+    ("broadcast_buffers", 0),
+    ("init_sync", 1),
+    ("skip_all_reduce_unused_params", 1),
+    ("bucket_cap_mb", 0),
+    ("device_ids", []),
     ("dim", 5),
 ]
 
@@ -30,7 +38,9 @@ def test_a_value_torch_accepts_trains_as_torch_ddp(keyword, value):
             ddp = wrapper(model, process_group=group, **{keyword: value})
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for step in range(3):
-                ddp(torch.linspace(-1, 1, 12).reshape(3, 4) * (rank + step + 1)).pow(2).sum().backward()
+                ddp(
+                    torch.linspace(-1, 1, 12).reshape(3, 4) * (rank + step + 1)
+                ).pow(2).sum().backward()
                 opt.step()
                 opt.zero_grad()
             results.append([p.detach().clone() for p in model.parameters()])

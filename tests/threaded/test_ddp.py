@@ -49,7 +49,9 @@ def test_matches_torch_ddp(model_name, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("as_view", [False, True])
 def test_find_unused_parameters_matches_torch(world_size, as_view):
-    _check("unused_branch", world_size, find_unused_parameters=True, gradient_as_bucket_view=as_view)
+    _check(
+        "unused_branch", world_size, find_unused_parameters=True, gradient_as_bucket_view=as_view
+    )
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -252,12 +254,18 @@ def test_unused_parameters_without_the_flag_name_them_next_iteration():
         for _ in range(2):
             ddp(torch.ones(2, 8)).sum().backward()
 
-    with pytest.raises(RankError, match=r"(?s)spare\.weight, spare\.bias.*find_unused_parameters=True"):
+    with pytest.raises(
+        RankError, match=r"(?s)spare\.weight, spare\.bias.*find_unused_parameters=True"
+    ):
         run_threaded(body, 2)
 
 
 def test_public_api():
-    assert set(gradsync.__all__) >= {"DistributedDataParallel", "Reducer", "compute_bucket_assignment_by_size"}
+    assert set(gradsync.__all__) >= {
+        "DistributedDataParallel",
+        "Reducer",
+        "compute_bucket_assignment_by_size",
+    }
 
 
 def test_dropped_wrapper_frees_its_reducer_and_stops_hooking():
@@ -384,7 +392,11 @@ def test_torch_spelling_of_exclusion_works():
 def test_delayed_all_reduce_averages_the_named_parameters(all_delayed):
     def body(rank, group):
         model = seeded(lambda: __import__("models").MLP(), 0)
-        names = ["net.2.weight", "net.2.bias"] if not all_delayed else [n for n, _ in model.named_parameters()]
+        names = (
+            ["net.2.weight", "net.2.bias"]
+            if not all_delayed
+            else [n for n, _ in model.named_parameters()]
+        )
         named = [(n, p) for n, p in model.named_parameters() if n in names]
         ddp = GradsyncDDP(
             model, process_group=group, delay_all_reduce_named_params=named,
@@ -413,7 +425,9 @@ def test_delayed_all_reduce_averages_the_named_parameters(all_delayed):
 def test_delayed_all_reduce_arguments_go_together():
     def body(rank, group):
         model = torch.nn.Linear(2, 2)
-        GradsyncDDP(model, process_group=group, delay_all_reduce_named_params=[("weight", model.weight)])
+        GradsyncDDP(
+            model, process_group=group, delay_all_reduce_named_params=[("weight", model.weight)]
+        )
 
     with pytest.raises(RankError, match="go together"):
         run_threaded(body, 1)
@@ -421,7 +435,9 @@ def test_delayed_all_reduce_arguments_go_together():
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("micro_steps", [1, 2])
-def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(reduce_dtype, micro_steps):
+def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(
+    reduce_dtype, micro_steps
+):
     # torch's own DDP mixed precision, compared in tests/processes/test_mixed_precision_vs_torch.py,
     # cannot accumulate over no_sync steps (it raises), so the reference is computed directly.
     from torch.nn.parallel.distributed import _MixedPrecision
@@ -464,10 +480,18 @@ def test_mixed_precision_computes_low_reduces_in_reduce_dtype_keeps_float32(redu
             low(data(rank, j).to(torch.bfloat16)).float().pow(2).mean().backward()
             for n, p in low.named_parameters():
                 last = j == micro_steps - 1
-                acc[n] = (acc[n].to(torch.bfloat16) + p.grad).float() if last else acc[n] + p.grad.float()
+                acc[n] = (
+                    (acc[n].to(torch.bfloat16) + p.grad).float()
+                    if last
+                    else acc[n] + p.grad.float()
+                )
         per_rank.append(acc)
     for name in ours[0]:
-        want = (per_rank[0][name].to(reduce_dtype) + per_rank[1][name].to(reduce_dtype)).div_(2).float()
+        want = (
+            (per_rank[0][name].to(reduce_dtype) + per_rank[1][name].to(reduce_dtype))
+            .div_(2)
+            .float()
+        )
         torch.testing.assert_close(ours[0][name], want, msg=name, rtol=0, atol=0)
         torch.testing.assert_close(ours[0][name], ours[1][name], rtol=0, atol=0)
 
@@ -477,7 +501,9 @@ def test_late_gradient_through_the_wrapper_is_still_an_error():
         ddp = GradsyncDDP(seeded(_CheckpointedShared, 0), process_group=group)
         ddp(torch.ones(2, 8)).sum().backward()
 
-    with pytest.raises(RankError, match=r"(?s)'shared\.(weight|bias)'.*marked ready for reduction twice"):
+    with pytest.raises(
+        RankError, match=r"(?s)'shared\.(weight|bias)'.*marked ready for reduction twice"
+    ):
         run_threaded(body, 2)
 
 
@@ -510,12 +536,15 @@ def test_mixed_precision_leaves_a_gradient_unused_everywhere_untouched_in_float3
         ddp(torch.ones(2, 8)).float().sum().backward()
         opt.step()
         opt.zero_grad(set_to_none=False)
-        spare = model.spare.weight.grad = torch.full_like(model.spare.weight, 3.0)  # left from before
+        # left from before
+        spare = model.spare.weight.grad = torch.full_like(model.spare.weight, 3.0)
         ddp(torch.ones(2, 8) * (rank + 1)).float().sum().backward()
         return spare, model.spare.weight.grad, {n: p.grad for n, p in model.named_parameters()}
 
     for spare_before, spare_after, grads in run_threaded(body, 2):
-        assert spare_after is spare_before and torch.equal(spare_after, torch.full_like(spare_after, 3.0))
+        assert spare_after is spare_before and torch.equal(
+            spare_after, torch.full_like(spare_after, 3.0)
+        )
         assert all(g is None or g.dtype == torch.float32 for g in grads.values())
         assert grads["used.weight"].dtype == torch.float32 and grads["used.weight"].abs().sum() > 0
 
@@ -543,10 +572,17 @@ def test_gradients_keep_the_strides_torch_ddp_gives_them_in_channels_last(as_vie
         out = []
         for cls in (GradsyncDDP, TorchDDP):
             model = seeded(_ChannelsLastConvs, 0).to(memory_format=torch.channels_last)
-            ddp = cls(model, process_group=group, gradient_as_bucket_view=as_view, bucket_cap_mb=0.0001)
+            ddp = cls(
+                model, process_group=group, gradient_as_bucket_view=as_view, bucket_cap_mb=0.0001
+            )
             for _ in range(2):
                 ddp(x).square().sum().backward()
-            out.append({n: (p.grad.clone(), p.grad.stride(), p.stride()) for n, p in model.named_parameters()})
+            out.append(
+                {
+                    n: (p.grad.clone(), p.grad.stride(), p.stride())
+                    for n, p in model.named_parameters()
+                }
+            )
         return out
 
     for ours, theirs in run_threaded(body, 2):
@@ -572,7 +608,8 @@ def test_a_world_of_one_copies_gradients_in_without_a_scaling_pass(world_size):
         original = getattr(owner, name)
 
         def call(*args, **kwargs):
-            if sys._getframe(1).f_globals.get("__name__", "").startswith("gradsync."):  # not the optimizer's
+            # not the optimizer's
+            if sys._getframe(1).f_globals.get("__name__", "").startswith("gradsync."):
                 scaled.append(name)
             return original(*args, **kwargs)
 

@@ -95,7 +95,9 @@ def _count_steps(rank, group, layers, buckets, steps, every, hook, listen=False,
     model = seeded(lambda: _model(layers), 0)
     params = list(model.parameters())
     calls: DeviceCalls = CountingCalls()
-    config = ReducerConfig(rebuild_bucket_size_limits=None, time_gradients_every=every, history=history)
+    config = ReducerConfig(
+        rebuild_bucket_size_limits=None, time_gradients_every=every, history=history
+    )
     reducer = Reducer(params, _bucketed(params, buckets), group, config=config, device_calls=calls)
     if hook:
         reducer.register_comm_hook(None, _averaging_hook(group))
@@ -174,7 +176,10 @@ def test_sampled_iterations_time_each_gradient_and_others_take_their_buckets_tim
         assert step["record"] == 4 + 3 * 4 + (params if timed else 0), (iteration, step)
     for timeline in history:
         assert timeline.gradients_timed == (timeline.iteration % 3 == 0)
-        ready, bucket_ready = timeline.times(EventKind.READY), timeline.times(EventKind.BUCKET_READY)
+        ready, bucket_ready = (
+            timeline.times(EventKind.READY),
+            timeline.times(EventKind.BUCKET_READY),
+        )
         assert set(ready) == set(range(params))
         for b, members in enumerate(timeline.bucket_indices):
             # Read before the bucket was (sampled), or its bucket's time (not): at the latest.
@@ -188,7 +193,12 @@ def test_the_device_path_on_cpu_gives_the_host_paths_gradients():
     def host(rank, group):
         model = seeded(lambda: _model(8), 0)
         params = list(model.parameters())
-        reducer = Reducer(params, _bucketed(params, 4), group, config=ReducerConfig(rebuild_bucket_size_limits=None))
+        reducer = Reducer(
+            params,
+            _bucketed(params, 4),
+            group,
+            config=ReducerConfig(rebuild_bucket_size_limits=None),
+        )
         out = model(torch.full((4, 16), float(rank + 1)))
         reducer.prepare_for_backward(out)
         out.pow(2).mean().backward()
@@ -236,8 +246,11 @@ def _wrapper_ops(rank, group, layers, wrapper, options):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("options", [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}],
-                         ids=["default", "as_view", "find_unused"])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"gradient_as_bucket_view": True}, {"find_unused_parameters": True}],
+    ids=["default", "as_view", "find_unused"],
+)
 def test_a_step_issues_no_tensor_operation_per_gradient(options):
     # One bucket of 16, then 64 small gradients: gradsync issues the same few batched
     # operations (copy in, all-reduce, scale, copy out), torch's C++ reducer two or three per
@@ -247,7 +260,9 @@ def test_a_step_issues_no_tensor_operation_per_gradient(options):
     ops = {}
     for wrapper in ("gradsync", "torch"):
         for layers in (8, 32):
-            ops[wrapper, layers] = run_threaded(_wrapper_ops, 2, layers, wrapper, options, timeout=60)[0]
+            ops[wrapper, layers] = run_threaded(
+                _wrapper_ops, 2, layers, wrapper, options, timeout=60
+            )[0]
     assert ops["gradsync", 8] == ops["gradsync", 32], ops
     assert ops["gradsync", 8]["allreduce_"] >= 1, ops  # the counter sees gradsync's collectives
     assert sum(ops["gradsync", 8].values()) <= 12, ops["gradsync", 8]  # a few per bucket and step
@@ -268,7 +283,8 @@ def test_unread_device_timelines_past_the_history_are_dropped_unasked():
 
     for per_step, history in run_threaded(body, 2, timeout=60):
         assert all(step["query"] == step["elapsed_time"] == 0 for step in per_step[:-1]), per_step
-        assert all(step["event"] == 0 for step in per_step[6:-1]), per_step  # the dropped ones' events reused
+        # the dropped ones' events reused
+        assert all(step["event"] == 0 for step in per_step[6:-1]), per_step
         assert [t.iteration for t in history] == [9, 10, 11, 12]
         assert per_step[-1]["elapsed_time"] == 4 * (4 + 3 * 4), per_step[-1]
         for timeline in history:

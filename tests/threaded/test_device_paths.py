@@ -40,12 +40,20 @@ class _DeviceGroup:
 
 def test_small_collectives_live_on_the_groups_device():
     assert object_device(_DeviceGroup([torch.device("cpu")])) == torch.device("cpu")
-    assert object_device(_DeviceGroup([torch.device("cpu"), torch.device("cuda")])) == torch.device("cpu")
-    assert object_device(_DeviceGroup([torch.device("cuda")], torch.device("cuda", 3))) == torch.device("cuda", 3)
+    assert object_device(
+        _DeviceGroup([torch.device("cpu"), torch.device("cuda")])
+    ) == torch.device("cpu")
+    assert object_device(
+        _DeviceGroup([torch.device("cuda")], torch.device("cuda", 3))
+    ) == torch.device("cuda", 3)
     assert not host_runs_collectives(_DeviceGroup([torch.device("cuda")], torch.device("cuda", 0)))
 
     def body(rank, group):
-        return object_device(group), host_runs_collectives(group), all_gather_objects(group, {"rank": rank})
+        return (
+            object_device(group),
+            host_runs_collectives(group),
+            all_gather_objects(group, {"rank": rank}),
+        )
 
     for device, on_host, gathered in run_threaded(body, 2):
         assert device == torch.device("cpu") and on_host
@@ -59,8 +67,15 @@ def test_host_read_of_a_cpu_tensor_is_there_at_once():
 
 def test_construction_broadcast_in_chunks_gives_rank_0s_values():
     def body(rank, group):
-        tensors = [torch.full((n,), float(rank + 1), dtype=dtype)
-                   for n, dtype in [(5, torch.float32), (3, torch.float64), (7, torch.float32), (1, torch.float32)]]
+        tensors = [
+            torch.full((n,), float(rank + 1), dtype=dtype)
+            for n, dtype in [
+                (5, torch.float32),
+                (3, torch.float64),
+                (7, torch.float32),
+                (1, torch.float32),
+            ]
+        ]
         broadcast_tensors(group, tensors, src=0, chunk_bytes=24)  # 6 floats: several chunks
         return tensors
 
@@ -74,8 +89,11 @@ def test_broadcasts_from_several_roots_in_flight_at_once_large_tensors_in_place(
     big = IN_PLACE_BYTES // 4
 
     def owned(root, rank):
-        return [torch.full((big,), float(rank + 1)), torch.full((64, big // 64), float(rank + 1)).t(),
-                torch.full((3,), float(rank + 1), dtype=torch.float64)]
+        return [
+            torch.full((big,), float(rank + 1)),
+            torch.full((64, big // 64), float(rank + 1)).t(),
+            torch.full((3,), float(rank + 1), dtype=torch.float64),
+        ]
 
     def body(rank, group):
         tensors = [owned(root, rank) for root in range(3)]
@@ -102,9 +120,13 @@ def test_broadcasts_a_peer_never_joins_raise_within_the_timeout():
             time.sleep(3)
             return "left"
         broadcasts = Broadcasts(group, timedelta(seconds=1))
-        broadcasts.start([torch.ones(IN_PLACE_BYTES // 4), torch.ones(3)], 0, "broadcast of rank 0's parameters")
+        broadcasts.start(
+            [torch.ones(IN_PLACE_BYTES // 4), torch.ones(3)], 0, "broadcast of rank 0's parameters"
+        )
         start = time.monotonic()
-        with pytest.raises(ReductionTimeoutError, match="broadcast of rank 0's parameters did not complete"):
+        with pytest.raises(
+            ReductionTimeoutError, match="broadcast of rank 0's parameters did not complete"
+        ):
             broadcasts.finish()
         return time.monotonic() - start
 
@@ -136,7 +158,11 @@ def test_deferred_read_back_trains_exactly_as_torch(find_unused):
 class _Skippable(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.used, self.spare, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.used, self.spare, self.out = (
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(16, 4),
+        )
 
     def forward(self, x, skip=False):
         h = self.used(x) if skip else self.used(x) + self.spare(x)
@@ -335,7 +361,8 @@ def test_device_timelines_nobody_reads_keep_only_the_historys_events():
     _FakeEvent.landed = True
     for kept, unresolved, history in run_threaded(body, 2, timeout=60):
         assert unresolved == 3 and history == [28, 29, 30]
-        assert kept[-1] == kept[10] == max(kept[5:]), kept  # bounded: the last 3 iterations' and the anchor
+        # bounded: the last 3 iterations' and the anchor
+        assert kept[-1] == kept[10] == max(kept[5:]), kept
 
 
 def test_an_unread_timeline_dropped_leaves_the_next_iterations_readings_and_a_late_completion():

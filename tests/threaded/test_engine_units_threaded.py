@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import gradsync
-from gradsync.engine.accumulation import Reports, uneven
 from gradsync.engine.reducer import Phase
+from gradsync.engine.reports import Reports, uneven
 from gradsync.engine.used_map import UsedMap
 from gradsync.testing import run_threaded, seeded
 
@@ -45,7 +45,9 @@ def test_reports_ride_in_a_tail_or_go_on_their_own():
         return ridden, alone
 
     for ridden, alone in run_threaded(body, 3):
-        assert [r.micro_steps for r in ridden] == [2, 2, 3] and [r.missing for r in ridden] == [False, True, False]
+        assert [r.micro_steps for r in ridden] == [2, 2, 3] and (
+            [r.missing for r in ridden] == [False, True, False]
+        )
         assert uneven(ridden) == [2, 2, 3] and uneven(alone) is None
 
 

@@ -34,7 +34,9 @@ def test_the_late_group_completes_before_the_data_lands():
     for rank, (done, stale, landed, chained) in enumerate(run_threaded(body, 2, timeout=30)):
         assert done
         assert torch.equal(stale, torch.full((4,), float(rank + 1)))
-        assert torch.equal(landed, torch.full((4,), 3.0)) and torch.equal(chained, torch.full((2,), 20.0))
+        assert torch.equal(landed, torch.full((4,), 3.0)) and torch.equal(
+            chained, torch.full((2,), 20.0)
+        )
 
 
 def _raw_future_hook(group, bucket):
@@ -44,24 +46,33 @@ def _raw_future_hook(group, bucket):
 
 
 def _then_hook(group, bucket):
-    return group.allreduce([bucket.buffer()]).get_future().then(lambda f: f.value()[0].div_(group.size()))
+    return (
+        group.allreduce([bucket.buffer()])
+        .get_future()
+        .then(lambda f: f.value()[0].div_(group.size()))
+    )
 
 
 def _train(rank, group, late, model_name, hook, zero, read_back, kwargs):
     group = LateLandingGroup(group) if late else group
     model = seeded(MODELS[model_name], 0)
-    ddp = gradsync.DistributedDataParallel(model, process_group=group, bucket_cap_mb=0.0005, **kwargs)
+    ddp = gradsync.DistributedDataParallel(
+        model, process_group=group, bucket_cap_mb=0.0005, **kwargs
+    )
     ddp.reducer.configure(read_back=read_back)
     if zero is not None:
-        opt = gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9,
-                                               process_group=group, **zero)
+        opt = gradsync.ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, lr=0.1, momentum=0.9, process_group=group, **zero
+        )
     else:
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if hook is not None:
         ddp.register_comm_hook(group, hook)
     for step in range(STEPS):
         opt.zero_grad()
-        ddp(torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + rank))).pow(2).sum().backward()
+        ddp(
+            torch.randn(3, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        ).pow(2).sum().backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -84,4 +95,7 @@ def test_every_reduced_value_is_read_through_a_wait(model_name, hook, zero, read
     late = run_threaded(_train, 2, True, *args, timeout=60)
     for a, b in zip(late, plain):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert not all(torch.equal(x, y) for x, y in zip(plain[0], [p.detach() for p in seeded(MODELS[model_name], 0).parameters()]))
+    assert not all(
+        torch.equal(x, y)
+        for x, y in zip(plain[0], [p.detach() for p in seeded(MODELS[model_name], 0).parameters()])
+    )

@@ -168,7 +168,10 @@ def test_unfinished_reduction_error_carries_other_ranks_reports():
         model = seeded(MODELS["unused_branch"], 0)
         named = list(model.named_parameters())
         reducer = gradsync.Reducer(
-            [p for _, p in named], [list(range(len(named)))], group, param_names=[n for n, _ in named]
+            [p for _, p in named],
+            [list(range(len(named)))],
+            group,
+            param_names=[n for n, _ in named],
         )
         reducer.set_stall_monitor(StallWatchdog(datetime.timedelta(seconds=5), store, rank, 2))
         reducer.prepare_for_backward(None)
@@ -204,7 +207,12 @@ def test_unused_parameter_report_says_which_rank_left_what():
 
     (report, has_b), (report1, _), _ = run_threaded(body, 3)
     assert report == report1
-    assert report == {"b.weight": [1, 2], "b.bias": [1, 2], "c.weight": [0, 1, 2], "c.bias": [0, 1, 2]}
+    assert report == {
+        "b.weight": [1, 2],
+        "b.bias": [1, 2],
+        "c.weight": [0, 1, 2],
+        "c.bias": [0, 1, 2],
+    }
     assert has_b
 
 
@@ -297,4 +305,7 @@ def test_reducer_configure_validates(changes, error):
 @pytest.mark.pure
 def test_every_documented_error_is_exported():
     assert issubclass(gradsync.ParameterDivergenceError, Exception)
-    assert {"GradSyncError", "ReductionTimeoutError", "ParameterDivergenceError"} <= set(gradsync.__all__)
+    assert (
+        {"GradSyncError", "ReductionTimeoutError", "ParameterDivergenceError"}
+        <= set(gradsync.__all__)
+    )

@@ -78,10 +78,18 @@ def _train(cls, rank, group, *, steps=3, micro_steps=1, hook=None, aux_loss="nev
                 loss = _logits(out).pow(2).mean()
                 uses_aux = aux_loss == "always" or aux_loss == "rank" and rank == 0
                 if uses_aux:
-                    aux = out["aux"] if isinstance(out, dict) else out.aux if isinstance(out, _Out) else out[1]
+                    aux = (
+                        out["aux"]
+                        if isinstance(out, dict)
+                        else out.aux
+                        if isinstance(out, _Out)
+                        else out[1]
+                    )
                     loss = loss + aux.pow(2).mean()
                 loss.backward()
-        grads.append({n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()})
+        grads.append(
+            {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+        )
         opt.step()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     del ddp
@@ -92,7 +100,9 @@ def _compare(world_size, torch_overrides=None, **kwargs):
     theirs_kwargs = {**kwargs, **(torch_overrides or {})}
 
     def body(rank, group):
-        return _train(GradsyncDDP, rank, group, **kwargs), _train(TorchDDP, rank, group, **theirs_kwargs)
+        return _train(GradsyncDDP, rank, group, **kwargs), _train(
+            TorchDDP, rank, group, **theirs_kwargs
+        )
 
     results = run_threaded(body, world_size, timeout=60)
     for rank, (ours, theirs) in enumerate(results):
@@ -123,7 +133,9 @@ def test_output_left_out_of_the_loss_matches_torch_ddp(world_size):
         dict(bucket_cap_mb=1e-7),  # one parameter per bucket
         dict(micro_steps=3),
         dict(hook=default_hooks.allreduce_hook),
-        dict(hook=default_hooks.fp16_compress_hook, bucket_cap_mb=1e-7, gradient_as_bucket_view=True),
+        dict(
+            hook=default_hooks.fp16_compress_hook, bucket_cap_mb=1e-7, gradient_as_bucket_view=True
+        ),
     ],
     ids=lambda k: ",".join(f"{a}={getattr(b, '__name__', b)}" for a, b in k.items()),
 )
@@ -244,7 +256,9 @@ def test_missing_gradients_with_a_comm_hook_raise_on_every_rank():
         model = seeded(TwoHeads, 0)
         ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=1e-7)
         ddp.register_comm_hook(group, default_hooks.allreduce_hook)
-        with pytest.raises(GradSyncError, match=r"rank 1: bucket\(s\) [\d, ]+: branch\.weight, branch\.bias"):
+        with pytest.raises(
+            GradSyncError, match=r"rank 1: bucket\(s\) [\d, ]+: branch\.weight, branch\.bias"
+        ):
             y, aux = ddp(torch.ones(2, 8), rank, 0, "tuple", "rank")
             (y.sum() + aux.sum()).backward()
         return "raised"

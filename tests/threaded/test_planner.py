@@ -112,7 +112,9 @@ def test_plan_is_optimal_against_brute_force(ready, sizes, alpha, beta):
     cost = CostModel(alpha, beta)
     plan = plan_buckets(ready, sizes, cost)
     assert sorted(i for b in plan for i in b) == list(range(len(ready)))
-    assert predict_finish_ms(ready, sizes, plan, cost) == pytest.approx(_brute_force(ready, sizes, cost))
+    assert predict_finish_ms(ready, sizes, plan, cost) == pytest.approx(
+        _brute_force(ready, sizes, cost)
+    )
 
 
 @pytest.mark.pure
@@ -177,7 +179,8 @@ def test_auto_buckets_plan_once_identically_and_keep_torch_parity(model_name):
     results = run_threaded(_auto_vs_torch, 2, model_name, False, timeout=120)  # free cores: overlap
     (ours0, theirs0, plan0, none0), (ours1, _, plan1, _) = results
     assert not plan0.saturated
-    assert none0 == [True] * 3 + [False] * (STEPS - 3)  # planned before the 4th iteration's backward
+    # planned before the 4th iteration's backward
+    assert none0 == [True] * 3 + [False] * (STEPS - 3)
     assert plan0.kept is not None and plan0.chosen == plan1.chosen  # the trial decided, alike
     assert plan0.layout == plan1.layout  # the same on every rank
     assert plan0.cost == plan1.cost
@@ -236,7 +239,9 @@ def test_busy_cpu_time_is_everything_but_idle_and_iowait_and_a_cores_share_is_th
     from gradsync.planning.planner import CommCpu, busy_cpu_seconds
 
     stat = "cpu  100 5 50 1000 20 3 2 7 0 0\ncpu0 50 2 25 500 10 1 1 3 0 0\nintr 1\n"
-    assert busy_cpu_seconds(stat) == pytest.approx((100 + 5 + 50 + 3 + 2 + 7) / os.sysconf("SC_CLK_TCK"))
+    assert busy_cpu_seconds(stat) == pytest.approx(
+        (100 + 5 + 50 + 3 + 2 + 7) / os.sysconf("SC_CLK_TCK")
+    )
     assert busy_cpu_seconds() is None or busy_cpu_seconds() > 0  # this machine's, where it has one
     assert CommCpu(allreduce_ms=70.0, busy_ms=40.0, cores=2).per_core_ms == 20.0
 
@@ -299,10 +304,17 @@ def _drifting(rank, group):
 
     ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
     auto = ddp._auto
-    auto.rounds, auto.per_slot, auto.confirm_rounds, auto.drift_every, auto.max_replans = 1, 1, 1, 2, 2
+    auto.rounds, auto.per_slot, auto.confirm_rounds, auto.drift_every, auto.max_replans = (
+        1,
+        1,
+        1,
+        2,
+        2,
+    )
     auto.drift = -1.0  # any change counts as drift
     replans = []
-    for _ in range(3 * (auto.decided_by + 2 * auto.drift_every)):  # three plans, each decided and watched
+    # three plans, each decided and watched
+    for _ in range(3 * (auto.decided_by + 2 * auto.drift_every)):
         ddp(torch.ones(4, 8)).sum().backward()
         replans.append(ddp.bucket_plan().replans if ddp.bucket_plan() else None)
     return replans, ddp.bucket_plan(), ddp.reducer.bucket_indices
@@ -327,9 +339,12 @@ def test_forward_without_backward_during_the_trial_repeats_the_slot():
         from gradsync import DistributedDataParallel as GradsyncDDP
         from gradsync.testing import seeded
 
-        ddp = GradsyncDDP(seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto")
+        ddp = GradsyncDDP(
+            seeded(MODELS["many_small"], 0), process_group=group, bucket_cap_mb="auto"
+        )
         ddp._auto.rounds, ddp._auto.per_slot, ddp._auto.confirm_rounds = 1, 1, 1
-        for step in range(ddp._auto.decided_by + 2):  # one slot repeated, and the decision's forward
+        # one slot repeated, and the decision's forward
+        for step in range(ddp._auto.decided_by + 2):
             out = ddp(torch.ones(4, 8))
             if step != 4:  # a forward whose output is never backpropagated, mid-trial
                 out.sum().backward()
@@ -346,23 +361,28 @@ def test_the_trial_screens_by_the_median_ratio_to_the_current_layout_within_each
     # Round 1 ran on a loaded host: every layout slower. Paired within the round, it cancels.
     slots = {(0, CURRENT): 100.0, (0, "planned"): 90.0, (0, "coarse"): 95.0,
              (1, CURRENT): 200.0, (1, "planned"): 180.0, (1, "coarse"): 190.0,
-             (2, CURRENT): 100.0, (2, "planned"): 0.0, (2, "coarse"): 96.0}  # 0: a slot that measured nothing
+             # 0: a slot that measured nothing
+             (2, CURRENT): 100.0, (2, "planned"): 0.0, (2, "coarse"): 96.0}
     assert _round_ratios(slots, "planned") == [0.9, 0.9]
     assert _round_ratios(slots, "coarse") == pytest.approx([0.95, 0.95, 0.96])
     assert screen_layouts({"planned": 0.9, "coarse": 0.95}, 0.01) == "planned"
-    assert screen_layouts({"planned": 0.995, "coarse": 1.2}, 0.01) == CURRENT  # none beat it by the margin
+    # none beat it by the margin
+    assert screen_layouts({"planned": 0.995, "coarse": 1.2}, 0.01) == CURRENT
     assert screen_layouts({}, 0.01) == CURRENT  # nothing else tried
 
 
 def test_the_winner_is_kept_only_when_fresh_rounds_confirm_it_beyond_their_noise():
     from gradsync.planning.autoplan import confirm_layout
 
-    quiet = [[0.80, 0.82, 0.79, 0.81], [0.95, 0.96, 0.94, 0.95]]  # the screening: ratios about 1 % apart
+    # the screening: ratios about 1 % apart
+    quiet = [[0.80, 0.82, 0.79, 0.81], [0.95, 0.96, 0.94, 0.95]]
     # Lucky in the trial (0.80), ordinary on fresh rounds (0.99 median): reverted.
     keep, needed = confirm_layout([0.97, 1.01, 0.99, 1.0], [*quiet, [0.97, 1.01, 0.99, 1.0]], 0.01)
     assert not keep and needed >= 0.01
     # Confirmed on fresh rounds: kept, and with tight ratios the 1 % margin is the bar.
-    keep, needed = confirm_layout([0.90, 0.91, 0.905, 0.9], [*quiet, [0.90, 0.91, 0.905, 0.9]], 0.01)
+    keep, needed = confirm_layout(
+        [0.90, 0.91, 0.905, 0.9], [*quiet, [0.90, 0.91, 0.905, 0.9]], 0.01
+    )
     assert keep and needed == 0.01
     # The winner's lucky screening is not scatter: 0.82 in the trial and 0.92 fresh, with
     # ratios within 1-2 % of their medians, is confirmed (pooling the winner's ratios
@@ -390,7 +410,9 @@ def test_the_probe_during_compute_queues_collectives_and_agrees_across_ranks():
     from gradsync.testing import run_threaded
 
     def body(rank, group):
-        return probe_during_compute(group, sizes=(4 << 10, 256 << 10), repeats=2, queued_bytes=1 << 20)
+        return probe_during_compute(
+            group, sizes=(4 << 10, 256 << 10), repeats=2, queued_bytes=1 << 20
+        )
 
     first, second = run_threaded(body, 2)
     assert first == second  # the slowest rank's medians, everywhere: every rank plans alike
@@ -427,7 +449,9 @@ def _trial_agreement(group, timeout):
     (_cpu_cost_probe, "CPU cost probe"),
     (_trial_agreement, "agreement on measured timings"),  # under the reducer's own timeout
 ])
-def test_each_planning_collective_gives_up_within_its_timeout_when_a_rank_does_not_take_part(call, what):
+def test_each_planning_collective_gives_up_within_its_timeout_when_a_rank_does_not_take_part(
+    call, what
+):
     import time
     from datetime import timedelta
 
@@ -458,7 +482,8 @@ def test_the_first_plan_is_decided_within_decided_by_iterations():
         ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group, bucket_cap_mb="auto")
         auto = ddp._auto
         auto.rounds, auto.per_slot, auto.confirm_rounds = 2, 1, 3
-        auto.margin = -10.0  # every candidate beats the margin: the screening always has a winner to confirm
+        # every candidate beats the margin: the screening always has a winner to confirm
+        auto.margin = -10.0
         auto.saturated = False  # overlap allowed: candidates other than one bucket
         # A cost model set, not probed: a probed one on a loaded machine can make every
         # candidate the current layout (one bucket for this small model), leaving the trial
@@ -475,6 +500,9 @@ def test_the_first_plan_is_decided_within_decided_by_iterations():
     (plan0, decided_by), (plan1, _) = run_threaded(body, 2)
     assert decided_by == 3 + (2 * 10 + 3 * 2) * 1 + 1
     assert plan0.kept is not None and plan0.kept == plan1.kept
-    assert plan0.winner is not None  # a winner was confirmed (kept or not): the trial's longest path
-    assert any(name.startswith("even ") for name in plan0.trial_ms)  # the plans' even twins were tried
-    assert plan0.cost == COST and len(plan0.layout) == 6  # the cost set, not a probe's: a bucket per gradient
+    # a winner was confirmed (kept or not): the trial's longest path
+    assert plan0.winner is not None
+    # the plans' even twins were tried
+    assert any(name.startswith("even ") for name in plan0.trial_ms)
+    # the cost set, not a probe's: a bucket per gradient
+    assert plan0.cost == COST and len(plan0.layout) == 6

@@ -27,16 +27,25 @@ def test_the_generator_covers_what_it_promises():
     cases = [Case.from_seed(s) for s in range(FIRST, FIRST + CASES)]
     kinds = {b.kind for c in cases for b in c.blocks}
     assert kinds >= {"linear", "branch", "frozen", "tied", "double", "embed", "bn", "conv"}
-    assert any(c.as_view and any(b.kind == "conv" for b in c.blocks) for c in cases)  # layouts differ there
+    # layouts differ there
+    assert any(c.as_view and any(b.kind == "conv" for b in c.blocks) for c in cases)
     assert any(c.zero and any(b.kind == "conv" for b in c.blocks) for c in cases)
     assert {b.use for c in cases for b in c.blocks} >= {"always", "rank", "iter", "rank_iter"}
     assert {b.aux for c in cases for b in c.blocks} >= {"never", "rank", "iter", "always"}
     assert any(b.sparse for c in cases for b in c.blocks)
     assert {c.world_size for c in cases} == {2, 3}
-    assert {c.hook for c in cases} >= {"none", "torch_allreduce", "torch_fp16", "gradsync_fp16", "gradsync_bf16"}
+    assert {c.hook for c in cases} >= {
+        "none",
+        "torch_allreduce",
+        "torch_fp16",
+        "gradsync_fp16",
+        "gradsync_bf16",
+    }
     assert {c.optimizer for c in cases} == {"sgd", "adam"}
     assert {c.micro_steps for c in cases} >= {1, 2, 3}
-    assert any(c.zero and c.world_size == 3 for c in cases) and any(c.zero and c.find_unused for c in cases)
+    assert any(c.zero and c.world_size == 3 for c in cases) and any(
+        c.zero and c.find_unused for c in cases
+    )
     assert {c.bucket_cap_mb for c in cases} >= {None, 1e-7}
     for flag in ("find_unused", "static_graph", "as_view", "set_to_none", "broadcast_buffers"):
         assert {getattr(c, flag) for c in cases} == {False, True}, flag

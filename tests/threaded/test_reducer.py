@@ -64,7 +64,9 @@ def test_unused_branch_with_find_unused_matches_torch(world_size, as_view):
 
 def test_parameter_unused_on_some_ranks_gets_the_average():
     def body(rank, group):
-        model = seeded(lambda: torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]), 0)
+        model = seeded(
+            lambda: torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)]), 0
+        )
         params = list(model.parameters())
         reducer = gradsync.Reducer(
             params, [[2, 3], [0, 1]], group, config=ReducerConfig(find_unused_parameters=True)
@@ -90,7 +92,8 @@ def _many_small_timelines():
     """Every rank's timelines of a few iterations of 60 small parameters in ~256-byte buckets."""
     batches = make_batches(STEPS, 2)
     results = run_threaded(
-        lambda r, g: train_reducer(r, g, "many_small", batches, bucket_cap_bytes=256, config=SMALL), 2
+        lambda r, g: train_reducer(r, g, "many_small", batches, bucket_cap_bytes=256, config=SMALL),
+        2,
     )
     return [t for record in results for t in record["timelines"]]
 
@@ -106,7 +109,10 @@ def test_first_bucket_launches_before_backward_ends():
 
 def test_events_are_consistent_and_buckets_launch_in_order():
     for timeline in _many_small_timelines():
-        ready, bucket_ready = timeline.times(EventKind.READY), timeline.times(EventKind.BUCKET_READY)
+        ready, bucket_ready = (
+            timeline.times(EventKind.READY),
+            timeline.times(EventKind.BUCKET_READY),
+        )
         launch, complete = timeline.times(EventKind.LAUNCH), timeline.times(EventKind.COMPLETE)
         launches = [i for k, i in timeline.order(EventKind.LAUNCH)]
         assert launches == list(range(len(timeline.bucket_indices)))
@@ -148,8 +154,14 @@ def test_buckets_are_rebuilt_in_ready_order_with_event_recording_off():
     def body(rank, group):
         on = train_reducer(rank, group, "many_small", batches, bucket_cap_bytes=2**30,
                            config=ReducerConfig(rebuild_bucket_size_limits=limits))
-        off = train_reducer(rank, group, "many_small", batches, bucket_cap_bytes=2**30,
-                            config=ReducerConfig(rebuild_bucket_size_limits=limits, record_events=False))
+        off = train_reducer(
+            rank,
+            group,
+            "many_small",
+            batches,
+            bucket_cap_bytes=2**30,
+            config=ReducerConfig(rebuild_bucket_size_limits=limits, record_events=False),
+        )
         return on, off
 
     for on, off in run_threaded(body, 2):
@@ -217,7 +229,10 @@ def test_shared_layer_in_two_reentrant_checkpoints_is_marked_twice():
 
     # The iteration ends with the outermost backward, so the second reentrant pass is seen as
     # what it is: the same hook firing twice in one backward (torch's DDP leaves it out silently).
-    with pytest.raises(RankError, match=r"(?s)'(weight|bias)'.*twice.*fired twice in one backward.*use_reentrant=False"):
+    with pytest.raises(
+        RankError,
+        match=r"(?s)'(weight|bias)'.*twice.*fired twice in one backward.*use_reentrant=False",
+    ):
         run_threaded(body, 1)
 
 
@@ -384,7 +399,9 @@ def test_rank_that_skips_backward_makes_the_other_time_out_not_hang():
             out.sum().backward()
         return "skipped"
 
-    with pytest.raises(RankError, match=r"rank 0.*bucket 0.*(did not complete within|failed)") as info:
+    with pytest.raises(
+        RankError, match=r"rank 0.*bucket 0.*(did not complete within|failed)"
+    ) as info:
         run_threaded(body, 2, timeout=30)
     assert isinstance(info.value, RankError) and info.value.rank == 0
     assert "ReductionTimeoutError" in str(info.value)
@@ -442,7 +459,11 @@ def _poisoned_empty(original):
 class _UsedOnRankZero(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.used, self.spare, self.out = torch.nn.Linear(8, 16), torch.nn.Linear(8, 16), torch.nn.Linear(16, 4)
+        self.used, self.spare, self.out = (
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(8, 16),
+            torch.nn.Linear(16, 4),
+        )
 
     def forward(self, x, rank):
         h = self.used(x) + self.spare(x) if rank == 0 else self.used(x)
@@ -469,8 +490,12 @@ def test_buckets_need_no_zeroed_memory(monkeypatch, kwargs):
     """Buckets are allocated with `empty`, as torch's are: with every new tensor made of NaNs,
     a parameter used on one rank only (its bucket view on the other must be zeroed by the
     fill) still gets exactly torch's average."""
-    theirs = run_threaded(_train_used_on_rank_zero, 2, torch.nn.parallel.DistributedDataParallel, timeout=60, **kwargs)
+    theirs = run_threaded(
+        _train_used_on_rank_zero, 2, torch.nn.parallel.DistributedDataParallel, timeout=60, **kwargs
+    )
     monkeypatch.setattr(torch, "empty", _poisoned_empty(torch.empty))
-    ours = run_threaded(_train_used_on_rank_zero, 2, gradsync.DistributedDataParallel, timeout=60, **kwargs)
+    ours = run_threaded(
+        _train_used_on_rank_zero, 2, gradsync.DistributedDataParallel, timeout=60, **kwargs
+    )
     for a, b in zip(ours, theirs):
         assert all(torch.equal(x, y) for x, y in zip(a, b))

@@ -66,7 +66,9 @@ def test_nan_gradient_is_named_before_it_is_averaged():
             x[0, 0] = float("nan")
         ddp(x).sum().backward()
 
-    with pytest.raises(RankError, match=r"(?s)gradient of 'net\.\d\.(weight|bias)' on rank 1 holds NaN") as info:
+    with pytest.raises(
+        RankError, match=r"(?s)gradient of 'net\.\d\.(weight|bias)' on rank 1 holds NaN"
+    ) as info:
         run_threaded(body, 2, timeout=30)
     assert info.value.rank == 1
 
@@ -113,7 +115,9 @@ def test_backward_twice_without_a_forward_is_an_error():
         loss.backward(retain_graph=True)
         loss.backward()
 
-    with pytest.raises(RankError, match=r"(?s)marked ready for reduction twice.*already been reduced"):
+    with pytest.raises(
+        RankError, match=r"(?s)marked ready for reduction twice.*already been reduced"
+    ):
         run_threaded(body, 2)
 
 
@@ -169,7 +173,10 @@ def test_no_sync_on_some_ranks_only_is_detected_at_the_next_sync_on_every_rank(h
     # Rank 0's sync at step 1 meets rank 1's at step 2 (its first after the no_sync step).
     assert (step0, step1) == (1, 2)
     assert message0 == message1
-    assert "rank 0: 1, rank 1: 2" in message0 and "no_sync() was entered on some ranks only" in message0
+    assert (
+        "rank 0: 1, rank 1: 2" in message0
+        and "no_sync() was entered on some ranks only" in message0
+    )
 
 
 def test_after_an_uneven_accumulation_error_every_rank_holds_the_same_earlier_averages():
@@ -192,7 +199,9 @@ def test_after_an_uneven_accumulation_error_every_rank_holds_the_same_earlier_av
                 len(ddp.reducer.buckets), len(last))
 
     (early0, buckets, in_last), (early1, _, _) = run_threaded(body, 2, timeout=30)
-    assert buckets > 1 and early0 and len(early0) + in_last == len(list(MODELS["mlp"]().parameters()))
+    assert (
+        buckets > 1 and early0 and len(early0) + in_last == len(list(MODELS["mlp"]().parameters()))
+    )
     for i, grad in early0.items():
         assert torch.equal(grad, early1[i]), i
 
@@ -227,22 +236,32 @@ def test_uneven_accumulation_can_be_allowed_and_then_matches_torch_ddp():
             assert torch.equal(x, y)
 
 
-@pytest.mark.parametrize("move", ["cast module", "cast wrapper", "module to meta", "wrapper to meta"])
+@pytest.mark.parametrize(
+    "move", ["cast module", "cast wrapper", "module to meta", "wrapper to meta"]
+)
 def test_a_module_moved_or_cast_after_wrapping_is_refused_with_the_parameter_named(move):
     def body(rank, group):
         model = seeded(MODELS["mlp"], 0)
         ddp = GradsyncDDP(model, process_group=group)
         ddp(torch.ones(2, 8)).sum().backward()
         try:
-            target, to = (model if "module" in move else ddp), ("meta" if "meta" in move else torch.float64)
+            target, to = (
+                (model if "module" in move else ddp),
+                ("meta" if "meta" in move else torch.float64),
+            )
             target.to(to)
-            ddp(torch.ones(2, 8, dtype=model.net[0].weight.dtype, device=model.net[0].weight.device))
+            ddp(
+                torch.ones(2, 8, dtype=model.net[0].weight.dtype, device=model.net[0].weight.device)
+            )
         except GradSyncError as error:
             return str(error)
         return "no error"
 
     for message in run_threaded(body, 2, timeout=30):
-        assert "parameter 'net.0.weight' was on cpu as torch.float32 when the module was wrapped" in message
+        assert (
+            "parameter 'net.0.weight' was on cpu as torch.float32 when the module was wrapped"
+            in message
+        )
         assert "move or cast the module first, then wrap it" in message
 
 
@@ -262,7 +281,11 @@ def _powersgd_run(rank, group, steps, stop_at, path):
     model, ddp, opt = build()
     for step in range(steps):
         if step == stop_at:
-            saved = {"model": model.state_dict(), "opt": opt.state_dict(), "gradsync": ddp.gradsync_state()}
+            saved = {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "gradsync": ddp.gradsync_state(),
+            }
             torch.save(saved, f"{path}.rank{rank}")
             del model, ddp, opt
             model, ddp, opt = build()
@@ -293,32 +316,46 @@ def test_powersgd_error_feedback_is_checkpointed_and_resumes_exactly(tmp_path):
 def test_loading_a_hook_state_without_the_hook_is_refused():
     def body(rank, group):
         ddp = GradsyncDDP(seeded(MODELS["mlp"], 0), process_group=group)
-        state = {"version": 2, "bucket_indices": [], "rebuilt": False, "iterations": 0, "plan": None,
-                 "syncs": 0, "hook_state": {"type": "PowerSGDState", "fields": {}}}
+        state = {
+            "version": 2,
+            "bucket_indices": [],
+            "rebuilt": False,
+            "iterations": 0,
+            "plan": None,
+            "syncs": 0,
+            "hook_state": {"type": "PowerSGDState", "fields": {}},
+        }
         ddp.load_gradsync_state(state)
 
-    with pytest.raises(RankError, match="holds the state of a PowerSGDState hook, but no hook is registered"):
+    with pytest.raises(
+        RankError, match="holds the state of a PowerSGDState hook, but no hook is registered"
+    ):
         run_threaded(body, 2)
 
 
 @pytest.mark.pure
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int64]
+)
 def test_reports_are_exact_or_ask_for_the_exact_count(dtype):
-    from gradsync.engine import accumulation
+    from gradsync.engine import reports as codes
 
-    top = accumulation.saturation(dtype)
+    top = codes.saturation(dtype)
     for steps in [0, 1, 126, 127, 255, 256, 300, top - 1, top, top + 1, 2**40]:
         summed = torch.zeros(3, dtype=dtype)  # summed in the dtype, as the all-reduce does
         for rank, (n, missing) in enumerate([(steps, False), (steps, True), (0, False)]):
-            summed += accumulation.encode(torch.empty(3, dtype=dtype), rank, n, missing)
-        reports = accumulation.decode(summed.tolist(), dtype)
+            summed += codes.encode(torch.empty(3, dtype=dtype), rank, n, missing)
+        reports = codes.decode(summed.tolist(), dtype)
         expected = steps if steps < top else None  # None: every rank runs the exact all-reduce
         assert reports == [
-            accumulation.RankReport(expected, False),
-            accumulation.RankReport(expected, True),
-            accumulation.RankReport(0, False),
+            codes.RankReport(expected, False),
+            codes.RankReport(expected, True),
+            codes.RankReport(0, False),
         ], (steps, reports)
-    assert accumulation.saturation(torch.bfloat16) == 127 and accumulation.saturation(torch.float32) == 2**23 - 1
+    assert (
+        codes.saturation(torch.bfloat16) == 127
+        and codes.saturation(torch.float32) == 2**23 - 1
+    )
 
 
 @pytest.mark.parametrize("hooked", [False, True])

@@ -75,12 +75,16 @@ def _train(rank: int, group, wrapper: type, changes: list, config: dict) -> list
         # needs CUDA events) is the reference.
         from torch.nn.parallel.distributed import _MixedPrecision
 
-        config["mixed_precision"] = _MixedPrecision(param_dtype=torch.float64, reduce_dtype=torch.float64)
+        config["mixed_precision"] = _MixedPrecision(
+            param_dtype=torch.float64, reduce_dtype=torch.float64
+        )
     ddp = wrapper(model, process_group=group, **config)
     params = list(model.parameters())
     opt: torch.optim.Optimizer
     if zero and wrapper is GradsyncDDP:  # ZeRO-2 on gradsync's side, the plain optimizer on torch's
-        opt = gradsync.ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, lr=0.1, momentum=0.9)
+        opt = gradsync.ZeroRedundancyOptimizer(
+            params, torch.optim.SGD, process_group=group, lr=0.1, momentum=0.9
+        )
     else:
         opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
     for step in range(STEPS):
@@ -124,7 +128,9 @@ def test_requires_grad_changed_after_wrapping_trains_or_raises_as_torch_ddp(chan
                 assert torch.equal(p, q), f"rank {rank} parameter {i} differs from torch's DDP"
         return
     assert we_raised is not None, f"torch's DDP raised, gradsync trained: {torch_raised[2][:300]}"
-    assert we_raised[:2] <= torch_raised[:2], f"gradsync raised later ({we_raised[:2]}) than torch ({torch_raised[:2]})"
+    assert we_raised[:2] <= torch_raised[:2], (
+        f"gradsync raised later ({we_raised[:2]}) than torch ({torch_raised[:2]})"
+    )
     frozen = "body.weight" if change.startswith("weight") else "mid.weight"
     assert f"{frozen}" in we_raised[2] and "requires_grad=False now" in we_raised[2], we_raised[2]
 
@@ -142,7 +148,10 @@ def test_the_frozen_parameter_is_named_with_the_fix_before_and_after():
     _, raised = _outcome(GradsyncDDP, CHANGES["weight_off"], CONFIGS["plain"])
     assert raised is not None and raised[:2] == (1, PHASES.index("backward"))
     message = raised[2]
-    assert "body.weight had requires_grad=True when the wrapper was built and has requires_grad=False now" in message
+    assert (
+        "body.weight had requires_grad=True when the "
+        "wrapper was built and has requires_grad=False now"
+    ) in message
     assert "Pass find_unused_parameters=True" in message and "build the wrapper again" in message
     _, raised = _outcome(GradsyncDDP, CHANGES["weight_off"], CONFIGS["static"])
     assert raised is not None and "static_graph=True needs the same parameters trained" in raised[2]
@@ -165,7 +174,11 @@ def test_a_parameter_frozen_when_wrapped_and_unfrozen_later_warns_that_it_is_not
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             grads = run_threaded(body, 2, unfreeze, timeout=30)
-        told = [str(w.message) for w in caught if "did not require grad when the wrapper was built" in str(w.message)]
+        told = [
+            str(w.message)
+            for w in caught
+            if "did not require grad when the wrapper was built" in str(w.message)
+        ]
         return told, grads
 
     told, grads = warned(unfreeze=False)

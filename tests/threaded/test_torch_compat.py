@@ -45,8 +45,11 @@ def test_torchs_internals_raise_an_error_naming_them():
     def body(rank, group):
         ddp = GradsyncDDP(_build("mlp"), process_group=group)
         errors = []
-        for call in (lambda: ddp._sync_buffers(), lambda: ddp._register_fused_optim(torch.optim.SGD),
-                     lambda: ddp.reducer._push_all_rebuilt_params()):
+        for call in (
+            lambda: ddp._sync_buffers(),
+            lambda: ddp._register_fused_optim(torch.optim.SGD),
+            lambda: ddp.reducer._push_all_rebuilt_params(),
+        ):
             with pytest.raises((NotImplementedError, AttributeError)) as info:
                 call()
             errors.append(str(info.value))
@@ -113,7 +116,10 @@ def test_can_set_static_graph_is_zero_once_the_unused_parameters_change():
         _loss(ddp(x)).backward()
 
     def body(rank, group):
-        return [_same_keys_as_torch(rank, group, {"find_unused_parameters": True}, fn) for fn in (flip, steady)]
+        return [
+            _same_keys_as_torch(rank, group, {"find_unused_parameters": True}, fn)
+            for fn in (flip, steady)
+        ]
 
     flipped, constant = run_threaded(body, 2)[0]
     assert flipped["gradsync"][0]["can_set_static_graph"] == 0
@@ -167,7 +173,10 @@ def _train(cls, rank, group, model_name, batches, step_kind, **kwargs):
 
 
 def _both(rank, group, model_name, batches, step_kind, kwargs):
-    return [_train(cls, rank, group, model_name, batches, step_kind, **kwargs) for cls in (GradsyncDDP, TorchDDP)]
+    return [
+        _train(cls, rank, group, model_name, batches, step_kind, **kwargs)
+        for cls in (GradsyncDDP, TorchDDP)
+    ]
 
 
 @pytest.mark.parametrize("model_name, step_kind, kwargs", [
@@ -180,7 +189,9 @@ def _both(rank, group, model_name, batches, step_kind, kwargs):
 ])
 def test_what_frameworks_call_gives_torchs_gradients(model_name, step_kind, kwargs):
     batches = make_batches(STEPS, 2, per_rank=4)
-    for rank, (ours, theirs) in enumerate(run_threaded(_both, 2, model_name, batches, step_kind, kwargs, timeout=60)):
+    for rank, (ours, theirs) in enumerate(
+        run_threaded(_both, 2, model_name, batches, step_kind, kwargs, timeout=60)
+    ):
         assert_records_equal(ours, theirs, exact=True, what=f"rank {rank} {step_kind}")
 
 
@@ -216,7 +227,8 @@ def test_patch_covers_both_places_and_modules_imported_before_and_after_then_und
             assert torch.nn.parallel.distributed.DistributedDataParallel is GradsyncDDP
             assert before.DistributedDataParallel is GradsyncDDP
             assert after.DistributedDataParallel is GradsyncDDP
-            assert sys.modules["torch._dynamo.convert_frame"].DistributedDataParallel is TorchDDP  # torch's own
+            # torch's own
+            assert sys.modules["torch._dynamo.convert_frame"].DistributedDataParallel is TorchDDP
             assert gradsync.wrapper.torch_compat.TorchDDP is TorchDDP
             assert "framework_imported_before.DistributedDataParallel" in repr(patch)
         assert torch.nn.parallel.DistributedDataParallel is TorchDDP

@@ -61,10 +61,17 @@ def test_a_parameter_the_loss_uses_outside_forward_raises_at_its_gradient(wrappe
 
     with pytest.raises(Exception) as info:
         run_threaded(body, 2, timeout=60)
-    expected = "marked ready for reduction twice" if wrapper is GradsyncDDP else "mark a variable ready only once"
+    expected = (
+        "marked ready for reduction twice"
+        if wrapper is GradsyncDDP
+        else "mark a variable ready only once"
+    )
     assert expected in str(info.value)
     if wrapper is GradsyncDDP:
-        assert "'extra'" in str(info.value) and "not reachable from forward's outputs" in str(info.value)
+        assert (
+            "'extra'" in str(info.value)
+            and "not reachable from forward's outputs" in str(info.value)
+        )
 
 
 def test_a_gradient_penalty_taken_before_backward_trains_as_one_process():
@@ -76,7 +83,9 @@ def test_a_gradient_penalty_taken_before_backward_trains_as_one_process():
         for step in range(2):
             loss = _penalised(ddp, _x(rank, step))
             loss.backward()
-            grads = {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+            grads = {
+                n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()
+            }
             for p in model.parameters():
                 p.grad = None
         return grads
@@ -159,7 +168,11 @@ def test_a_loss_that_does_not_come_from_the_outputs_still_raises_naming_what_is_
 class _TwoOut(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.b, self.spare = torch.nn.Linear(8, 8), torch.nn.Linear(8, 4), torch.nn.Linear(8, 8)
+        self.a, self.b, self.spare = (
+            torch.nn.Linear(8, 8),
+            torch.nn.Linear(8, 4),
+            torch.nn.Linear(8, 8),
+        )
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         h = torch.tanh(self.a(x))
@@ -174,7 +187,10 @@ def test_compiled_wrapper_with_find_unused_matches_torch_ddp_compiled():
         for wrapper in (TorchDDP, GradsyncDDP):
             torch._dynamo.reset()
             model = seeded(_TwoOut, 0)
-            step = torch.compile(wrapper(model, process_group=group, find_unused_parameters=True), backend="aot_eager")
+            step = torch.compile(
+                wrapper(model, process_group=group, find_unused_parameters=True),
+                backend="aot_eager",
+            )
             opt = torch.optim.SGD(model.parameters(), lr=0.1)
             for i in range(4):
                 y, h = step(_x(rank, i).repeat(2, 2))

@@ -31,10 +31,20 @@ def _train(rank, group, model_name, optimizer, sharded, wrapper, batches, world,
     cls, kwargs = OPTIMIZERS[optimizer]
     model = _build(model_name)
     ddp = (GradsyncDDP if wrapper == "gradsync" else TorchDDP)(model, process_group=group)
-    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, shard_gradients=False,
-                                   overlap_with_ddp=inside, **kwargs) if sharded
-           else cls(model.parameters(), **kwargs))
-    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)  # writes into param_groups
+    opt = (
+        ZeroRedundancyOptimizer(
+            model.parameters(),
+            cls,
+            process_group=group,
+            shard_gradients=False,
+            overlap_with_ddp=inside,
+            **kwargs,
+        )
+        if sharded
+        else cls(model.parameters(), **kwargs)
+    )
+    # writes into param_groups
+    schedule = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     for batch in batches:
         opt.zero_grad()
         before = [p.detach().clone() for p in model.parameters()]
@@ -43,8 +53,12 @@ def _train(rank, group, model_name, optimizer, sharded, wrapper, batches, world,
             assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
         opt.step()
         schedule.step()
-    state = sum(t.numel() for s in (opt.optim.state.values() if sharded and opt.optim else opt.state.values())
-                for t in s.values() if torch.is_tensor(t) and t.dim() > 0)
+    state = sum(
+        t.numel()
+        for s in (opt.optim.state.values() if sharded and opt.optim else opt.state.values())
+        for t in s.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     return {n: p.detach().clone() for n, p in model.named_parameters()}, state
 
 
@@ -76,7 +90,9 @@ def test_overlap_with_ddp_steps_zero_1_inside_backward_bit_for_bit(optimizer, wo
     # read from the groups at each step: the plain optimizer's parameters, bit for bit.
     batches = make_batches(STEPS, world)
     plain = run_threaded(_train, world, "mlp", optimizer, False, "gradsync", batches, world)
-    inside = run_threaded(_train, world, "mlp", optimizer, True, "gradsync", batches, world, inside=True)
+    inside = run_threaded(
+        _train, world, "mlp", optimizer, True, "gradsync", batches, world, inside=True
+    )
     for (params, _), (ref, _) in zip(inside, plain):
         for name in ref:
             assert torch.equal(params[name], ref[name]), name
@@ -94,9 +110,18 @@ def test_parameters_as_bucket_view_broadcasts_flat_buffers_in_place_bit_for_bit(
         head = seeded(lambda: torch.nn.Linear(4, 2), 1)
         ddp = GradsyncDDP(torch.nn.Sequential(model, head), process_group=group)
         first = list(model.parameters())
-        opt = (ZeroRedundancyOptimizer(first, torch.optim.AdamW, process_group=group, shard_gradients=False,
-                                       parameters_as_bucket_view=True, lr=0.01) if view
-               else torch.optim.AdamW(first, lr=0.01))
+        opt = (
+            ZeroRedundancyOptimizer(
+                first,
+                torch.optim.AdamW,
+                process_group=group,
+                shard_gradients=False,
+                parameters_as_bucket_view=True,
+                lr=0.01,
+            )
+            if view
+            else torch.optim.AdamW(first, lr=0.01)
+        )
         for i, batch in enumerate(batches):
             if i == 1:
                 opt.add_param_group({"params": list(head.parameters()), "lr": 0.02})
@@ -105,12 +130,17 @@ def test_parameters_as_bucket_view_broadcasts_flat_buffers_in_place_bit_for_bit(
             opt.step()
         storages = {id(p): p.untyped_storage().data_ptr() for p in ddp.parameters()}
         viewed = [(p.is_contiguous(), storages[id(p)]) for p in ddp.parameters()] if view else []
-        return [p.detach().clone() for p in ddp.parameters()], viewed, len(opt._flats) if view else 0
+        return (
+            [p.detach().clone() for p in ddp.parameters()],
+            viewed,
+            len(opt._flats) if view else 0,
+        )
 
     plain = run_threaded(body, world, False)[0][0]
     for params, viewed, flats in run_threaded(body, world, True):
         assert all(torch.equal(a, b) for a, b in zip(params, plain))
-        assert any(not contiguous for contiguous, _ in viewed)  # a channels-last weight, left as it was
+        # a channels-last weight, left as it was
+        assert any(not contiguous for contiguous, _ in viewed)
         shared = [ptr for contiguous, ptr in viewed if contiguous]
         assert len(set(shared)) == flats < len(shared)  # the contiguous ones share a few buffers
 
@@ -125,8 +155,14 @@ def test_an_in_place_broadcast_a_peer_never_joins_raises_within_the_timeout():
 
     def body(rank, group):
         model = _build("mlp")
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
-                                      parameters_as_bucket_view=True, timeout=timedelta(seconds=2), lr=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            process_group=group,
+            parameters_as_bucket_view=True,
+            timeout=timedelta(seconds=2),
+            lr=0.1,
+        )
         opt._agree_each_step = False
         if rank == 1:  # alive, its group too, but never stepping
             done.wait(20)
@@ -141,7 +177,9 @@ def test_an_in_place_broadcast_a_peer_never_joins_raises_within_the_timeout():
         return "no error"
 
     first, _ = run_threaded(body, 2, timeout=30)
-    assert "rank 0/2: broadcast of the parameters rank" in first and "did not complete within" in first, first
+    assert (
+        "rank 0/2: broadcast of the parameters rank" in first and "did not complete within" in first
+    ), first
 
 
 def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_world_size():
@@ -150,7 +188,13 @@ def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_wor
     def first_half(rank, group, world):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.Adam,
+            process_group=group,
+            shard_gradients=False,
+            lr=0.01,
+        )
         for batch in batches[:STEPS]:
             opt.zero_grad()
             _loss(ddp(_shard(batch, rank, world))).backward()
@@ -167,8 +211,17 @@ def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_wor
             for n, p in model.named_parameters():
                 p.copy_(params[n])
         ddp = GradsyncDDP(model, process_group=group)
-        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01)
-               if sharded else torch.optim.Adam(model.parameters(), lr=0.01))
+        opt = (
+            ZeroRedundancyOptimizer(
+                model.parameters(),
+                torch.optim.Adam,
+                process_group=group,
+                shard_gradients=False,
+                lr=0.01,
+            )
+            if sharded
+            else torch.optim.Adam(model.parameters(), lr=0.01)
+        )
         opt.load_state_dict(copy.deepcopy(saved))  # torch's loading aliases the dict's tensors
         for batch in batches[STEPS:]:
             opt.zero_grad()
@@ -181,7 +234,8 @@ def test_a_consolidated_state_dict_is_the_unsharded_one_and_loads_at_another_wor
     assert set(saved) == set(plain_opt.state_dict())  # the unsharded format: state, param_groups
     assert sorted(saved["state"]) == list(range(len(list(_build("mlp").parameters()))))
     resumed_plain = run_threaded(second_half, 3, 3, saved, params, False)[0]
-    resumed_sharded = run_threaded(second_half, 3, 3, saved, params, True)  # saved at 2, loaded at 3
+    # saved at 2, loaded at 3
+    resumed_sharded = run_threaded(second_half, 3, 3, saved, params, True)
     for out in resumed_sharded:
         assert all(torch.equal(out[n], resumed_plain[n]) for n in out)
 
@@ -191,7 +245,9 @@ def test_a_group_added_on_one_rank_only_is_refused_on_every_rank_naming_them():
         model = _build("mlp")
         extra = torch.nn.Linear(3, 3)
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, shard_gradients=False, lr=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=group, shard_gradients=False, lr=0.1
+        )
         if rank == 1:
             opt.add_param_group({"params": extra.parameters(), "lr": 0.01})
         _loss(ddp(torch.ones(2, 8))).backward()
@@ -210,11 +266,17 @@ def test_a_group_added_on_every_rank_keeps_parity():
 
     def body(rank, group, sharded):
         model = _build("mlp")
-        head = seeded(lambda: torch.nn.Linear(4, 2), 1)  # the global generator is shared by the threads
+        # the global generator is shared by the threads
+        head = seeded(lambda: torch.nn.Linear(4, 2), 1)
         ddp = GradsyncDDP(torch.nn.Sequential(model, head), process_group=group)
         first = list(model.parameters())
-        opt = (ZeroRedundancyOptimizer(first, torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01) if sharded
-               else torch.optim.Adam(first, lr=0.01))
+        opt = (
+            ZeroRedundancyOptimizer(
+                first, torch.optim.Adam, process_group=group, shard_gradients=False, lr=0.01
+            )
+            if sharded
+            else torch.optim.Adam(first, lr=0.01)
+        )
         for i, batch in enumerate(batches):
             if i == 1:
                 opt.add_param_group({"params": list(head.parameters()), "lr": 0.02})
@@ -232,7 +294,9 @@ def test_a_step_without_backward_is_refused_on_every_rank():
     def body(rank, group):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, shard_gradients=False, lr=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=group, shard_gradients=False, lr=0.1
+        )
         _loss(ddp(torch.ones(2, 8))).backward()
         opt.step()
         with pytest.raises(RuntimeError) as info:
@@ -247,7 +311,9 @@ def test_bad_arguments_are_refused_before_any_collective():
     def body(rank, group):
         params = list(_build("mlp").parameters())
         with pytest.raises(ValueError, match="overlap_with_ddp"):
-            ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, overlap_with_ddp=True, lr=0.1)
+            ZeroRedundancyOptimizer(
+                params, torch.optim.SGD, process_group=group, overlap_with_ddp=True, lr=0.1
+            )
         with pytest.raises(TypeError, match="optimizer_class"):
             ZeroRedundancyOptimizer(params, "sgd", process_group=group, lr=0.1)
         opt = ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, lr=0.1)
@@ -337,7 +403,9 @@ def test_without_the_per_step_agreement_the_step_reads_nothing_on_the_host(monke
     # Rank 0 raises in the broadcast rank 1 never joins: within its 2 s timeout, or sooner when
     # rank 1's thread has returned and its group (freed with everything else) closed the link.
     assert "rank 0/2: broadcast of the parameters rank 0 stepped" in local[0][1], local[0][1]
-    assert any(s in local[0][1] for s in ("2 s", "0:00:02", "Connection reset", "Connection closed")), local[0][1]
+    assert any(
+        s in local[0][1] for s in ("2 s", "0:00:02", "Connection reset", "Connection closed")
+    ), local[0][1]
 
 
 @pytest.mark.parametrize("shard_gradients", [None, False], ids=["zero2", "zero1"])
@@ -360,7 +428,8 @@ def test_the_optimizer_and_its_wrapper_are_freed_with_the_model(shard_gradients)
             opt.step()
         held = [weakref.ref(o) for o in (model, ddp, ddp.reducer, opt)]
         assert opt.shards_gradients == (shard_gradients is None)
-        assert bool(opt._hooks) == (shard_gradients is False)  # ZeRO-2: no hook per parameter per step
+        # ZeRO-2: no hook per parameter per step
+        assert bool(opt._hooks) == (shard_gradients is False)
         del model, ddp, opt
         gc.collect()
         return [ref() is None for ref in held]

@@ -22,8 +22,12 @@ from gradsync import comm_hooks as gradsync_hooks
 from gradsync.testing import RankError, run_threaded
 
 STEPS = 4
-HOOKS = {"allreduce": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-         "bf16": default_hooks.bf16_compress_hook, "gradsync fp16": gradsync_hooks.fp16_compress_hook}
+HOOKS = {
+    "allreduce": default_hooks.allreduce_hook,
+    "fp16": default_hooks.fp16_compress_hook,
+    "bf16": default_hooks.bf16_compress_hook,
+    "gradsync fp16": gradsync_hooks.fp16_compress_hook,
+}
 ADAM = (torch.optim.Adam, {"lr": 0.01})
 OPTIMIZERS = {"sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}), "adam": ADAM,
               "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1})}
@@ -44,9 +48,18 @@ def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=
         ddp.shard_gradients(reduce_by="reduce_scatter")
     elif reduce_by is not None:
         ddp.shard_gradients(reduce_by=reduce_by)
-    opt = (ZeroRedundancyOptimizer(model.parameters(), cls, process_group=group, overlap_param_gather=overlap,
-                                   overlap_with_ddp=inside, **kwargs)
-           if sharded else cls(model.parameters(), **kwargs))
+    opt = (
+        ZeroRedundancyOptimizer(
+            model.parameters(),
+            cls,
+            process_group=group,
+            overlap_param_gather=overlap,
+            overlap_with_ddp=inside,
+            **kwargs,
+        )
+        if sharded
+        else cls(model.parameters(), **kwargs)
+    )
     if hook is not None and hook_late:  # registered once the gradients are sharded
         ddp.register_comm_hook(group, HOOKS[hook])
     if sharded:
@@ -58,7 +71,8 @@ def _train(rank, group, world, batches, *, sharded, model_name="mlp", optimizer=
         for i, part in enumerate(parts):
             with ddp.no_sync() if i < len(parts) - 1 else _nothing():
                 _loss(ddp(part)).backward()
-        if sharded and not (wrap or {}).get("gradient_as_bucket_view"):  # each lives in its bucket's shard now
+        # each lives in its bucket's shard now
+        if sharded and not (wrap or {}).get("gradient_as_bucket_view"):
             assert all(p.grad is None for p in model.parameters())
         if clip is not None:
             norm = (opt.clip_grad_norm_(clip) if sharded
@@ -86,29 +100,47 @@ class _nothing:
 def _assert_same(got, want, exact=True, what="", atol=1e-6):
     for name in want:
         if exact:
-            assert torch.equal(got[name], want[name]), (what, name, (got[name] - want[name]).abs().max())
+            assert torch.equal(got[name], want[name]), (
+                what,
+                name,
+                (got[name] - want[name]).abs().max(),
+            )
         else:
             worst = (got[name] - want[name]).abs().max()
-            torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=atol, msg=f"{what} {name}: {worst}")
+            torch.testing.assert_close(
+                got[name], want[name], rtol=1e-5, atol=atol, msg=f"{what} {name}: {worst}"
+            )
 
 
 @pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
 def test_sharded_gradients_give_torch_ddps_parameters_bit_for_bit(optimizer):
     batches = make_batches(STEPS, 2)
-    for wrap in ({}, {"bucket_cap_mb": 0.001}, {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001}):
-        want = run_threaded(_train, 2, 2, batches, sharded=False, optimizer=OPTIMIZERS[optimizer])[0][0]
-        for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, optimizer=OPTIMIZERS[optimizer], wrap=wrap):
+    for wrap in (
+        {},
+        {"bucket_cap_mb": 0.001},
+        {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.001},
+    ):
+        want = run_threaded(
+            _train, 2, 2, batches, sharded=False, optimizer=OPTIMIZERS[optimizer]
+        )[0][0]
+        for got, _ in run_threaded(
+            _train, 2, 2, batches, sharded=True, optimizer=OPTIMIZERS[optimizer], wrap=wrap
+        ):
             _assert_same(got, want, what=str(wrap))
 
 
-@pytest.mark.parametrize("case", ["no_sync", "find_unused", "static_graph", "channels_last", "overlap", "native"])
+@pytest.mark.parametrize(
+    "case", ["no_sync", "find_unused", "static_graph", "channels_last", "overlap", "native"]
+)
 def test_sharded_gradients_keep_parity_through_the_wrappers_features(case):
     batches = make_batches(STEPS, 2, per_rank=8)
     options = {
         "no_sync": dict(micro=2),
         "find_unused": dict(model_name="unused_branch", wrap={"find_unused_parameters": True}),
         "static_graph": dict(model_name="unused_branch", wrap={"static_graph": True}),
-        "channels_last": dict(model_name="conv", channels_last=True, wrap={"bucket_cap_mb": 0.0005}),
+        "channels_last": dict(
+            model_name="conv", channels_last=True, wrap={"bucket_cap_mb": 0.0005}
+        ),
         "overlap": dict(wrap={"bucket_cap_mb": 0.001}),
         "native": dict(wrap={"bucket_cap_mb": 0.001}),
     }[case]
@@ -116,8 +148,16 @@ def test_sharded_gradients_keep_parity_through_the_wrappers_features(case):
     if case in ("find_unused", "static_graph"):
         reference["wrap"] = options["wrap"]
     want = run_threaded(_train, 2, 2, batches, sharded=False, **reference)[0][0]
-    for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, overlap=case in ("overlap", "native"),
-                               native=case == "native", **options):
+    for got, _ in run_threaded(
+        _train,
+        2,
+        2,
+        batches,
+        sharded=True,
+        overlap=case in ("overlap", "native"),
+        native=case == "native",
+        **options,
+    ):
         _assert_same(got, want, what=case)
 
 
@@ -130,12 +170,29 @@ def test_averaging_and_compression_hooks_shard_with_torch_ddps_results(hook):
         batches = make_batches(STEPS, world)
         # torch's DDP takes the bf16 hook on CUDA only; gradsync's unsharded wrapper runs it here.
         reference = GradsyncDDP if hook == "bf16" else TorchDDP
-        want = run_threaded(_train, world, world, batches, sharded=False, hook=hook, wrapper=reference)[0][0]
+        want = run_threaded(
+            _train, world, world, batches, sharded=False, hook=hook, wrapper=reference
+        )[0][0]
         for native, late in ((False, False), (True, False), (False, True)):
             wrap = {"bucket_cap_mb": 0.001}
-            for got, _ in run_threaded(_train, world, world, batches, sharded=True, hook=hook, hook_late=late,
-                                       native=native, wrap=wrap):
-                _assert_same(got, want, exact=world == 2, atol=1e-6 if hook == "allreduce" else 1e-2, what=f"{hook} world {world} native {native} late {late}")
+            for got, _ in run_threaded(
+                _train,
+                world,
+                world,
+                batches,
+                sharded=True,
+                hook=hook,
+                hook_late=late,
+                native=native,
+                wrap=wrap,
+            ):
+                _assert_same(
+                    got,
+                    want,
+                    exact=world == 2,
+                    atol=1e-6 if hook == "allreduce" else 1e-2,
+                    what=f"{hook} world {world} native {native} late {late}",
+                )
 
 
 def test_sharded_gradients_at_world_size_one_are_the_plain_optimizer():
@@ -158,8 +215,12 @@ def test_hooks_that_return_whole_buckets_are_refused_with_sharded_gradients():
         ddp = GradsyncDDP(model, process_group=group)
         state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=1)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
-        with pytest.raises(ValueError, match="cannot shard the gradients.*powerSGD_hook.*shard_gradients=False"):
-            ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        with pytest.raises(
+            ValueError, match="cannot shard the gradients.*powerSGD_hook.*shard_gradients=False"
+        ):
+            ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.SGD, process_group=group, lr=0.1
+            )
         other = GradsyncDDP(_build("mlp"), process_group=group)
         ZeroRedundancyOptimizer(other.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
         with pytest.raises(ValueError, match="state must be None or the wrapper's process group"):
@@ -185,10 +246,13 @@ def test_three_ranks_agree_with_torch(native):
     # buckets differ too): the last bit differs, which Adam carries on. Close, not equal.
     batches = make_batches(STEPS, 3)
     want = run_threaded(_train, 3, 3, batches, sharded=False)[0][0]
-    outs = run_threaded(_train, 3, 3, batches, sharded=True, native=native, wrap={"bucket_cap_mb": 0.001})
+    outs = run_threaded(
+        _train, 3, 3, batches, sharded=True, native=native, wrap={"bucket_cap_mb": 0.001}
+    )
     for got, _ in outs:
         _assert_same(got, want, exact=False, what="3 ranks")
-    assert all(torch.equal(outs[0][0][n], o[0][n]) for o in outs for n in want)  # the ranks agree exactly
+    # the ranks agree exactly
+    assert all(torch.equal(outs[0][0][n], o[0][n]) for o in outs for n in want)
 
 
 @pytest.mark.parametrize("reduce_by,world,exact", [("all_reduce", 3, True), ("all_to_all", 2, True),
@@ -201,11 +265,18 @@ def test_on_gloo_each_shard_is_the_unsharded_wrappers_gradient(reduce_by, world,
 
     def body(rank, group, sharded):
         model = _build("mlp")
-        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb_list=[0.001])  # these buckets from the start
+        # these buckets from the start
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb_list=[0.001])
         if sharded:
             ddp.shard_gradients(reduce_by=reduce_by)
             assert ddp.reducer.shards_reduced_by == (reduce_by or "all_to_all")
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1) if sharded else None
+        opt = (
+            ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.SGD, process_group=group, lr=0.1
+            )
+            if sharded
+            else None
+        )
         _loss(ddp(_shard(batch, rank, world))).backward()
         if not sharded:
             return [p.grad.clone() for p in model.parameters()]
@@ -229,7 +300,9 @@ def test_memory_per_rank_is_the_shards_and_state_of_one_nth():
     def body(rank, group):
         model = _build(model_name)
         ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.002)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.Adam, process_group=group, lr=0.01
+        )
         live = []  # buckets holding a buffer, seen from every gradient's hook (after the reducer's)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(
@@ -269,9 +342,16 @@ def test_a_consolidated_sharded_state_is_the_plain_optimizers_and_loads_anywhere
 
     def first_half(rank, group, world, sharded):
         model = _build("mlp")
-        ddp = (GradsyncDDP if sharded else TorchDDP)(model, process_group=group, bucket_cap_mb=0.001)
-        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
-               if sharded else torch.optim.Adam(model.parameters(), lr=0.01))
+        ddp = (GradsyncDDP if sharded else TorchDDP)(
+            model, process_group=group, bucket_cap_mb=0.001
+        )
+        opt = (
+            ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.Adam, process_group=group, lr=0.01
+            )
+            if sharded
+            else torch.optim.Adam(model.parameters(), lr=0.01)
+        )
         for batch in batches[:STEPS]:
             opt.zero_grad()
             _loss(ddp(_shard(batch, rank, world))).backward()
@@ -286,9 +366,15 @@ def test_a_consolidated_sharded_state_is_the_plain_optimizers_and_loads_anywhere
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(params[n])
-        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.0007)  # other buckets, other shards
-        opt = (ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group, lr=0.01)
-               if sharded else torch.optim.Adam(model.parameters(), lr=0.01))
+        # other buckets, other shards
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.0007)
+        opt = (
+            ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.Adam, process_group=group, lr=0.01
+            )
+            if sharded
+            else torch.optim.Adam(model.parameters(), lr=0.01)
+        )
         opt.load_state_dict(copy.deepcopy(saved))
         for batch in batches[STEPS:]:
             opt.zero_grad()
@@ -302,7 +388,10 @@ def test_a_consolidated_sharded_state_is_the_plain_optimizers_and_loads_anywhere
     assert sorted(saved["state"]) == sorted(plain_saved["state"])
     for i, state in plain_saved["state"].items():
         for key, value in state.items():
-            assert torch.equal(torch.as_tensor(saved["state"][i][key]), torch.as_tensor(value)), (i, key)
+            assert torch.equal(torch.as_tensor(saved["state"][i][key]), torch.as_tensor(value)), (
+                i,
+                key,
+            )
     resumed_plain = run_threaded(second_half, 2, 2, saved, params, False)[0]
     for world in (2, 3):  # saved at 2 with one layout, loaded at 2 and 3 with another
         for out in run_threaded(second_half, world, world, saved, params, True):
@@ -316,7 +405,9 @@ def test_a_rank_without_a_synchronised_backward_raises_and_the_other_times_out()
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
         ddp.reducer.configure(timeout=timedelta(seconds=2))
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=group, lr=0.1
+        )
         try:
             with ddp.no_sync() if rank == 1 else contextlib.nullcontext():
                 _loss(ddp(torch.ones(2, 8))).backward()  # rank 0 waits here for rank 1's reduction
@@ -334,7 +425,9 @@ def test_a_step_after_only_unsynchronised_backwards_is_refused_on_every_rank():
     def body(rank, group):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(), torch.optim.SGD, process_group=group, lr=0.1
+        )
         _loss(ddp(torch.ones(2, 8))).backward()
         opt.step()
         with ddp.no_sync():
@@ -354,11 +447,16 @@ def test_bad_input_is_refused_before_any_collective():
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group)
         params = list(model.parameters())
-        with pytest.raises(ValueError, match=r"must hold every trainable parameter.*missing: \['net.2.weight'"):
-            ZeroRedundancyOptimizer(params[:2], torch.optim.SGD, process_group=group, lr=0.1)  # split in two
+        with pytest.raises(
+            ValueError, match=r"must hold every trainable parameter.*missing: \['net.2.weight'"
+        ):
+            # split in two
+            ZeroRedundancyOptimizer(params[:2], torch.optim.SGD, process_group=group, lr=0.1)
         outsider = torch.nn.Parameter(torch.ones(3))
         with pytest.raises(ValueError, match="not synchronised by that wrapper"):
-            ZeroRedundancyOptimizer(params + [outsider], torch.optim.SGD, process_group=group, lr=0.1)
+            ZeroRedundancyOptimizer(
+                params + [outsider], torch.optim.SGD, process_group=group, lr=0.1
+            )
         opt = ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, lr=0.1)
         with pytest.raises(ValueError, match="another sharded optimizer"):
             ZeroRedundancyOptimizer(params, torch.optim.SGD, process_group=group, lr=0.1)
@@ -370,25 +468,44 @@ def test_bad_input_is_refused_before_any_collective():
         with pytest.raises(ValueError, match='bucket_cap_mb="auto"'):
             ZeroRedundancyOptimizer(auto.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
         with pytest.raises(ValueError, match="must belong to a gradsync"):
-            ZeroRedundancyOptimizer([outsider], torch.optim.SGD, process_group=group, shard_gradients=True, lr=0.1)
+            ZeroRedundancyOptimizer(
+                [outsider], torch.optim.SGD, process_group=group, shard_gradients=True, lr=0.1
+            )
         return repr(opt)
 
     assert all("gradients sharded" in r for r in run_threaded(body, 2))
 
 
-@pytest.mark.parametrize("case", ["defaults", "without step()", "overlapped gathers", "no_sync", "find_unused",
-                                  "static_graph", "bf16 hook", "bucket views"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "defaults",
+        "without step()",
+        "overlapped gathers",
+        "no_sync",
+        "find_unused",
+        "static_graph",
+        "bf16 hook",
+        "bucket views",
+    ],
+)
 def test_overlap_with_ddp_steps_inside_backward_with_torch_ddps_results(case):
     # The step runs at the end of the synchronised backward: the same parameters as torch's
     # DDP with the plain optimizer, bit for bit, whether the loop calls step() or not.
     batches = make_batches(STEPS, 2, per_rank=8)
     options = {
-        "defaults": {}, "without step()": dict(call_step=False), "overlapped gathers": dict(overlap=True),
-        "no_sync": dict(micro=2), "find_unused": dict(model_name="unused_branch", wrap={"find_unused_parameters": True}),
+        "defaults": {},
+        "without step()": dict(call_step=False),
+        "overlapped gathers": dict(overlap=True),
+        "no_sync": dict(micro=2),
+        "find_unused": dict(model_name="unused_branch", wrap={"find_unused_parameters": True}),
         "static_graph": dict(model_name="unused_branch", wrap={"static_graph": True}),
-        "bf16 hook": dict(hook="bf16", wrapper=GradsyncDDP), "bucket views": dict(wrap={"gradient_as_bucket_view": True}),
+        "bf16 hook": dict(hook="bf16", wrapper=GradsyncDDP),
+        "bucket views": dict(wrap={"gradient_as_bucket_view": True}),
     }[case]
-    reference = {k: v for k, v in options.items() if k in ("micro", "model_name", "hook", "wrapper")}
+    reference = {
+        k: v for k, v in options.items() if k in ("micro", "model_name", "hook", "wrapper")
+    }
     if case in ("find_unused", "static_graph"):
         reference["wrap"] = options["wrap"]
     want = run_threaded(_train, 2, 2, batches, sharded=False, **reference)[0][0]
@@ -405,13 +522,18 @@ def test_torch_style_overlap_with_ddp_registers_the_hook_and_never_calls_step():
     def body(rank, group, batches, style):
         model = _build("mlp")
         if style == "torch":
-            ddp, opt = TorchDDP(model, process_group=group), torch.optim.Adam(model.parameters(), lr=0.01)
+            ddp, opt = (
+                TorchDDP(model, process_group=group),
+                torch.optim.Adam(model.parameters(), lr=0.01),
+            )
         else:
             ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
             opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, process_group=group,
                                           overlap_with_ddp=True, lr=0.01)
             wrap = hook_with_zero_step if style == "hook" else hook_with_zero_step_interleaved
-            ddp.register_comm_hook(group, wrap(default_hooks.allreduce_hook, ddp, opt, shard_buckets=True))
+            ddp.register_comm_hook(
+                group, wrap(default_hooks.allreduce_hook, ddp, opt, shard_buckets=True)
+            )
         for batch in batches:
             opt.zero_grad()
             _loss(ddp(_shard(batch, rank, 2))).backward()
@@ -442,7 +564,9 @@ def test_overlap_with_ddp_refuses_what_needs_a_moment_between_backward_and_step(
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
                                       overlap_with_ddp=True, lr=0.1)
         other = GradsyncDDP(_build("mlp"), process_group=group)
-        plain = ZeroRedundancyOptimizer(other.parameters(), torch.optim.SGD, process_group=group, lr=0.1)
+        plain = ZeroRedundancyOptimizer(
+            other.parameters(), torch.optim.SGD, process_group=group, lr=0.1
+        )
         with pytest.raises(ValueError, match="overlap_with_ddp=False"):
             hook_with_zero_step(default_hooks.allreduce_hook, other, plain)
         with pytest.raises(ValueError, match="not this wrapper's"):
@@ -468,7 +592,9 @@ def test_overlapped_gathers_start_with_the_bucket_the_next_forward_needs_first()
                                       overlap_param_gather=True, lr=0.1)
         seen = []
         first = next(m for m in model.modules() if m._parameters)
-        first.register_forward_pre_hook(lambda *_: seen.append(list(opt._gathers._pending)), prepend=False)
+        first.register_forward_pre_hook(
+            lambda *_: seen.append(list(opt._gathers._pending)), prepend=False
+        )
         batch = _shard(make_batches(1, 2)[0], rank, 2)
         _loss(ddp(batch)).backward()
         opt.step()
@@ -479,7 +605,8 @@ def test_overlapped_gathers_start_with_the_bucket_the_next_forward_needs_first()
     for buckets, started, seen in run_threaded(body, 2):
         assert buckets > 1
         assert started == list(reversed(range(buckets)))
-        assert buckets - 1 not in seen[-1] and 0 in seen[-1]  # waited for the first layers' bucket only
+        # waited for the first layers' bucket only
+        assert buckets - 1 not in seen[-1] and 0 in seen[-1]
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -492,8 +619,14 @@ def test_a_gather_a_peer_never_joins_raises_within_the_timeout(overlap):
     def body(rank, group):
         model = _build("mlp")
         ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.001)
-        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, process_group=group,
-                                      overlap_param_gather=overlap, timeout=timedelta(seconds=2), lr=0.1)
+        opt = ZeroRedundancyOptimizer(
+            model.parameters(),
+            torch.optim.SGD,
+            process_group=group,
+            overlap_param_gather=overlap,
+            timeout=timedelta(seconds=2),
+            lr=0.1,
+        )
         _loss(ddp(torch.ones(2, 8))).backward()
         if rank == 1:
             return "stopped"
@@ -507,7 +640,10 @@ def test_a_gather_a_peer_never_joins_raises_within_the_timeout(overlap):
 
     first, second = run_threaded(body, 2, timeout=30)
     assert second == "stopped"
-    assert first.startswith("ReductionTimeoutError") and "all-gather of the parameters of bucket" in first, first
+    assert (
+        first.startswith("ReductionTimeoutError")
+        and "all-gather of the parameters of bucket" in first
+    ), first
     assert float(first.split(" after ")[1].split(" s")[0]) < 10, first
 
 
@@ -540,12 +676,24 @@ def test_mixed_precision_shards_as_the_unsharded_wrapper_reduces(reduce_dtype, c
 
     mixed = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
     batches = make_batches(STEPS, 2, per_rank=8)
-    options = dict(wrapper=GradsyncDDP, optimizer=OPTIMIZERS["adamw"],
-                   wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001}, micro=2 if case == "no_sync" else 1)
+    options = dict(
+        wrapper=GradsyncDDP,
+        optimizer=OPTIMIZERS["adamw"],
+        wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001},
+        micro=2 if case == "no_sync" else 1,
+    )
     want = run_threaded(_train, 2, 2, batches, sharded=False, **options)[0][0]
     assert all(p.dtype == torch.float32 for p in want.values())
-    for got, _ in run_threaded(_train, 2, 2, batches, sharded=True, overlap=case in ("overlap", "native"),
-                               native=case == "native", **options):
+    for got, _ in run_threaded(
+        _train,
+        2,
+        2,
+        batches,
+        sharded=True,
+        overlap=case in ("overlap", "native"),
+        native=case == "native",
+        **options,
+    ):
         _assert_same(got, want, what=case)
 
 
@@ -559,9 +707,14 @@ def test_mixed_precision_shards_at_three_ranks(reduce_by):
 
     mixed = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     batches = make_batches(STEPS, 3, per_rank=4)
-    options = dict(wrapper=GradsyncDDP, optimizer=OPTIMIZERS["sgd"], wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001})
+    options = dict(
+        wrapper=GradsyncDDP,
+        optimizer=OPTIMIZERS["sgd"],
+        wrap={"mixed_precision": mixed, "bucket_cap_mb": 0.001},
+    )
     want = run_threaded(_train, 3, 3, batches, sharded=False, **options)[0][0]
     results = run_threaded(_train, 3, 3, batches, sharded=True, reduce_by=reduce_by, **options)
     for got, _ in results:
         _assert_same(got, want, exact=reduce_by == "all_reduce", what=f"3 ranks, {reduce_by}")
-    assert all(torch.equal(results[0][0][n], r[0][n]) for r in results[1:] for n in want)  # ranks agree
+    # ranks agree
+    assert all(torch.equal(results[0][0][n], r[0][n]) for r in results[1:] for n in want)

@@ -56,7 +56,9 @@ def compress_wrapper(dtype: torch.dtype, hook: Hook) -> Hook:
         bucket.set_buffer(full.to(dtype))
         return hook(state, bucket).then(lambda fut: full.copy_(_value(fut)))
 
-    compressed_hook.__name__ = compressed_hook.__qualname__ = f"compress_wrapper({dtype}, {_name(hook)})"
+    compressed_hook.__name__ = compressed_hook.__qualname__ = (
+        f"compress_wrapper({dtype}, {_name(hook)})"
+    )
     return compressed_hook
 
 
@@ -78,7 +80,9 @@ def bf16_compress_wrapper(hook: Hook) -> Hook:
     return compress_wrapper(torch.bfloat16, hook)
 
 
-def _compress_allreduce(dtype: torch.dtype, group: dist.ProcessGroup | None, bucket: Bucket) -> Result:
+def _compress_allreduce(
+    dtype: torch.dtype, group: dist.ProcessGroup | None, bucket: Bucket
+) -> Result:
     full = bucket.buffer()
     return mean_allreduce(group, full.to(dtype)).then(lambda fut: full.copy_(fut.value()))
 

@@ -13,25 +13,25 @@ transient bucket holds only for a while are a `BucketShard` (`bucket_shard.py`) 
 
 from __future__ import annotations
 
-import threading
-import time
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from .bucket_shard import BucketShard, scaled_into
+from .bucket_shard import BucketShard, ReduceBy, member, scaled_into
 from .pool import BufferPool
 
-__all__ = ["COLLECTIVES", "FUSED_COPY_MIN_NUMEL", "Bucket", "Sharding", "is_dense_permutation", "view_like"]
+__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket", "Collective", "ReduceBy", "Sharding", "is_dense_permutation",
+           "view_like"]
 
-COLLECTIVES = ("all_reduce", "reduce_scatter")
-# How a reduce-scatter bucket is reduced: by the backend's reduce-scatter (the device backends'),
-# by an all-to-all and a local sum in rank order (gloo's: 2-3x faster than its all-reduce or
-# reduce-scatter on 2-16 MiB, 2 ranks on loopback, and half the bytes of an all-reduce), or by
-# an all-reduce of the whole bucket, the shard copied out (the same sums as DDP's at any size).
-REDUCE_BY = ("reduce_scatter", "all_to_all", "all_reduce")
+
+class Collective(str, enum.Enum):
+    """A bucket's collective: every rank gets the whole sum, or only its shard of it."""
+
+    ALL_REDUCE = "all_reduce"
+    REDUCE_SCATTER = "reduce_scatter"
+
 
 # Gradients at least this large are scaled while copied into their bucket, one pass each;
 # smaller ones are copied in one batched call and scaled with the whole buffer.
@@ -44,7 +44,7 @@ class Sharding:
 
     rank: int  # whose shard each bucket keeps
     transient: bool  # a buffer only from its fill until its reduction has landed
-    reduce_by: str  # one of REDUCE_BY
+    reduce_by: ReduceBy
     pool: BufferPool | None = None  # lends transient buffers (else each is allocated anew)
     # Reduced as torch's averaging hooks do (`comm.sharded_hook_dtype`): cast to `hook_dtype`
     # (None: no cast), divided there by the world size, then summed.
@@ -52,14 +52,10 @@ class Sharding:
     hook_dtype: torch.dtype | None = None
 
 
-def _check_arguments(collective: str, reduce_by: str, sparse: bool, tail: int, transient: bool) -> None:
-    if collective not in COLLECTIVES:
-        raise ValueError(f"collective={collective!r}: expected one of {', '.join(COLLECTIVES)}")
-    if reduce_by not in REDUCE_BY:
-        raise ValueError(f"reduce_by={reduce_by!r}: expected one of {', '.join(REDUCE_BY)}")
-    if collective == "reduce_scatter" and (sparse or (tail and reduce_by != "all_reduce")):
+def _check_arguments(collective: Collective, reduce_by: ReduceBy, sparse: bool, tail: int, transient: bool) -> None:
+    if collective is Collective.REDUCE_SCATTER and (sparse or (tail and reduce_by is not ReduceBy.ALL_REDUCE)):
         raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail (unless reduced by all-reduce)")
-    if transient and collective != "reduce_scatter":
+    if transient and collective is not Collective.REDUCE_SCATTER:
         raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result is the buffer")
 
 
@@ -74,15 +70,17 @@ class Bucket:
         sparse: bool = False,
         dtype: torch.dtype | None = None,
         tail: int = 0,
-        collective: str = "all_reduce",
+        collective: Collective | str = Collective.ALL_REDUCE,
         world_size: int = 1,
         rank: int = 0,
         transient: bool = False,
-        reduce_by: str = "reduce_scatter",
+        reduce_by: ReduceBy | str = ReduceBy.REDUCE_SCATTER,
         pool: BufferPool | None = None,
         hooked: bool = False,
         hook_dtype: torch.dtype | None = None,
     ):
+        collective = member(Collective, collective, f"collective={collective!r}")
+        reduce_by = member(ReduceBy, reduce_by, f"reduce_by={reduce_by!r}")
         _check_arguments(collective, reduce_by, sparse, tail, transient)
         self.index, self.collective, self.transient = index, collective, transient
         self._take_params(param_indices, params, sparse)
@@ -112,7 +110,7 @@ class Bucket:
         self.offsets = _running_offsets(self.lengths)
         self.numel = sum(self.lengths)
         self.all_small = all(n < FUSED_COPY_MIN_NUMEL for n in self.lengths)
-        # Large gradients are copied in at their own hook (`take_one`), as torch copies each
+        # Large gradients are copied in at their own hook (`copy_early`), as torch copies each
         # at its hook: the bucket's launch then waits only for its last gradient's copy, not
         # for a pass over the whole bucket. Small ones wait for the fill, copied in one batch.
         self.early = [n >= FUSED_COPY_MIN_NUMEL for n in self.lengths]
@@ -123,7 +121,7 @@ class Bucket:
         self._copied = [False] * len(self.params)
         self._n_copied = 0
         self._unaliased = [False] * len(self.params)  # read only: no gradient is a view of ours
-        # Whether some gradients are copied in at their hooks (`take_one`): a dense bucket of
+        # Whether some gradients are copied in at their hooks (`copy_early`): a dense bucket of
         # several parameters whose buffer lives across iterations (read on the hot path).
         self.copies_early = not sparse and not self.transient and len(self.params) > 1 and any(self.early)
 
@@ -132,20 +130,20 @@ class Bucket:
         elements after them, where the Reducer lets small per-rank counts ride along; a
         reduce-scatter's is padded to a multiple of the world size."""
         numel = self.numel
-        padded = -(-numel // world_size) * world_size if self.collective == "reduce_scatter" else numel
+        padded = -(-numel // world_size) * world_size if self.collective is Collective.REDUCE_SCATTER else numel
         self._wire_numel, self._tail_numel = max(padded, numel + tail), tail
 
-    def _make_shard(self, world_size: int, rank: int, reduce_by: str, pool: BufferPool | None) -> None:
+    def _make_shard(self, world_size: int, rank: int, reduce_by: ReduceBy, pool: BufferPool | None) -> None:
         """The shard and its reduction (`BucketShard`). A transient bucket (sharded gradients)
         holds its buffer only from its fill until its reduce-scatter has completed, lent by
         `pool`: gradient memory is then the shards plus the buckets in flight, not a second
         copy of every gradient."""
         self._sharded = BucketShard(
             self.numel, self._wire_numel, self._device, self.params[0].dtype, world_size, rank, reduce_by,
-            pool if self.transient else None, scattered=self.collective == "reduce_scatter",
+            pool if self.transient else None, scattered=self.collective is Collective.REDUCE_SCATTER,
         )
         self.shard, self.shard_offset = self._sharded.shard, self._sharded.offset
-        self.reduce_by = reduce_by  # `REDUCE_BY`
+        self.reduce_by = reduce_by
 
     def _start_state(self) -> None:
         """The per-iteration state (`reset` clears it) and how the sum is divided."""
@@ -153,27 +151,19 @@ class Bucket:
         # What is all-reduced when it is not the buffer itself (sparse gradient, or the buffer
         # cast to a separate reduce dtype); the reduced values are read back from it.
         self.payload: torch.Tensor = self.buffer
-        self.pending = len(self.params)
-        self.work: torch.distributed.Work | None = None
-        self.landed = False
-        # With a communication hook: the Future it returned, set when complete, and its view.
-        self.future: torch.futures.Future | None = None
-        self.future_done: threading.Event | None = None
-        self.hook_view: Any = None
-        self.hook_error: Exception | None = None
-        self.stream: Any = None  # on a GPU: the stream its fill was queued on
+        self.pending = len(self.params)  # gradients still to come this iteration
         self._cast: torch.Tensor | None = None  # the buffer in the reduce dtype (mixed precision)
         # Mixed precision (the Reducer sets it) reduces as torch's `_reducer_allreduce_and_upcast_hook`:
         # the gradients go in undivided, are summed (cast to the reduce dtype first, if it differs),
         # and the sum is divided in the dtype it was summed in once landed (`_divided`): at 3 ranks
         # and more, dividing first would round differently.
-        self.divides_sum = False
-        self._sum_divisor = 0  # this iteration's, until its sum has been divided
+        self.divides_after_sum = False
+        self._sum_divisor = 1  # this iteration's, until its sum has been divided (1: nothing to)
 
     @property
     def by_all_reduce(self) -> bool:
         """A reduce-scatter bucket reduced whole by all-reduce, its shard copied out."""
-        return self.reduce_by == "all_reduce"
+        return self.reduce_by is ReduceBy.ALL_REDUCE
 
     @property
     def nbytes(self) -> int:
@@ -223,7 +213,7 @@ class Bucket:
 
     # ------------------------------------------------------------------ filling and writing back
 
-    def take_one(self, position: int, divisor: int, as_view: bool) -> None:
+    def copy_early(self, position: int, divisor: int, as_view: bool) -> None:
         """Copy the gradient at `position` in now, before the bucket is full, divided exactly
         as `fill` would divide it; `fill` then skips it."""
         grad = self.params[position].grad
@@ -236,8 +226,8 @@ class Bucket:
 
     def fill(self, divisor: int, as_view: bool) -> None:
         """Copy the parameters' gradients in (those not taken already), divided by `divisor`
-        (0: copied as they are, for a hook or a cast that averages later), zeros where a
-        parameter has none. With `take_one`, the only way gradients enter a bucket."""
+        (1: copied as they are, for a hook or a cast that averages later), zeros where a
+        parameter has none. With `copy_early`, the only way gradients enter a bucket."""
         if self.transient and not self.views:
             self.allocate()
         grads = [p.grad for p in self.params]
@@ -247,7 +237,7 @@ class Bucket:
         elif not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
             _copy_in(self.views, grads, divisor, self.buffer if self.all_small else None)
         elif all(aliased):
-            if divisor:
+            if divisor != 1:
                 self.buffer.div_(divisor)
         else:  # some gradients are the views already, or carry a graph (create_graph=True)
             for g, v, alias in zip(grads, self.views, aliased):
@@ -293,9 +283,9 @@ class Bucket:
         """Put the reduced values into `.grad`, leaving parameters unused on every rank
         (`used[i] == 0`) exactly as torch does: untouched."""
         if self.sparse:
-            self.params[0].grad = self.sparse_grad if self.work is None else self.work.result()[0]
+            self.params[0].grad = self.sparse_grad  # the reduced one, once landed (`accept`)
             return
-        if self.collective == "reduce_scatter":
+        if self.collective is Collective.REDUCE_SCATTER:
             return  # its result is `shard`, the sharded optimizer's business; `.grad` is left alone
         self._divided(self.payload)
         keep = _ALL if used is None else [bool(used[i]) for i in self.param_indices]
@@ -334,12 +324,11 @@ class Bucket:
                 param.grad.copy_(value)
 
     def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
-        """Start this bucket's collective on `wire` (the payload, or buffer and tail)."""
-        if self.collective == "all_reduce" or self.by_all_reduce:  # sharded: `wire` unpadded, summed as DDP sums
-            self.work = group.allreduce([wire])
-            return self.work
-        self.work = self._sharded.start(group, self.wire)
-        return self.work
+        """Start this bucket's collective on `wire` (the payload, or buffer and tail); its owner
+        (`reductions.Reductions`) holds the work until it lands."""
+        if self.collective is Collective.ALL_REDUCE or self.by_all_reduce:  # sharded: `wire` unpadded, summed as DDP sums
+            return group.allreduce([wire])
+        return self._sharded.start(group, self.wire)
 
     @property
     def shard_range(self) -> tuple[int, int]:
@@ -351,7 +340,7 @@ class Bucket:
         """After the collective: this rank's shard of the sum (already there unless reduced by
         all-reduce, whose whole result is in the buffer)."""
         self._sharded.take(self.payload, self.by_all_reduce, self._divided)
-        self._sum_divisor = 0  # a shard of padding only: nothing to divide
+        self._sum_divisor = 1  # a shard of padding only: nothing to divide
         if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)
             self._sharded.drop_cast()
 
@@ -365,16 +354,16 @@ class Bucket:
 
     def launch_payload(self, reduce_dtype: torch.dtype | None, divisor: int) -> torch.Tensor:
         """What to reduce: the buffer, the sparse gradient, or the buffer cast to `reduce_dtype`.
-        With `divides_sum` the sum is divided by `divisor` once landed (`_divided`); else a
+        With `divides_after_sum` the sum is divided by `divisor` once landed (`_divided`); else a
         cast is divided before the sum, so that the sum cannot overflow."""
         plain = self.sparse_grad is None and not self.hooked
-        self._sum_divisor = divisor if plain and self.divides_sum else 0
-        scale = 0 if self.divides_sum else divisor
+        self._sum_divisor = divisor if plain and self.divides_after_sum else 1
+        scale = 1 if self.divides_after_sum else divisor
         if self.sparse_grad is not None:
             self.payload = self.sparse_grad
         elif self.hooked:
             self.payload = self._hooked_payload(divisor)
-        elif reduce_dtype is not None and self.collective == "reduce_scatter":
+        elif reduce_dtype is not None and self.collective is Collective.REDUCE_SCATTER:
             self.payload = self._cast_payload(reduce_dtype, scale, reciprocal=True)
         elif reduce_dtype is not None:  # into the same tensor every step, not a new one
             if self._cast is None or self._cast.dtype != reduce_dtype:
@@ -386,11 +375,11 @@ class Bucket:
 
     def _divided(self, landed: torch.Tensor) -> torch.Tensor:
         """`landed` (this bucket's sum, or this rank's shard of it) divided in place by this
-        iteration's divisor, when the sum is divided (`divides_sum`): `.div_` in the dtype it
+        iteration's divisor, when the sum is divided (`divides_after_sum`): `.div_` in the dtype it
         was summed in, as torch's mixed-precision hook divides. Once per iteration."""
-        if self._sum_divisor:
+        if self._sum_divisor != 1:
             landed.div_(self._sum_divisor)
-            self._sum_divisor = 0
+            self._sum_divisor = 1
         return landed
 
     def _hooked_payload(self, divisor: int) -> torch.Tensor:
@@ -407,25 +396,10 @@ class Bucket:
             self._drop_buffer(reusable=True)  # copied: nothing reads it again
         return cast
 
-    def done_within(self, seconds: float) -> bool:
-        """Has this bucket's reduction completed, waiting at most `seconds`? Never raises.
-        Polled, not waited on: a timed-out wait can abort an NCCL communicator. A failed work
-        counts as completed; the real wait then reports the failure."""
-        if self.future_done is not None:
-            return self.future_done.wait(seconds)
-        if self.work is None:
-            return self.landed
-        deadline = time.monotonic() + seconds
-        while not self.work.is_completed():
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
-        return True
-
     def accept(self, value: torch.Tensor) -> None:
         """Take a communication hook's result as this bucket's reduced values (averaged: the
         hook's business, as torch's protocol has it)."""
-        self._sum_divisor = 0
+        self._sum_divisor = 1
         if self.sparse:
             self.sparse_grad = value
         elif value.dtype == self.buffer.dtype:
@@ -435,22 +409,18 @@ class Bucket:
         else:
             self.payload = value
 
-    def reset(self) -> None:
-        if self.transient and self.holds_memory:  # an iteration abandoned: its collective may still run
-            self.release(reusable=self.work is None or self.work.is_completed())
+    def reset(self, reusable: bool = True) -> None:
+        """Ready for the next iteration. `reusable`: no collective of the last one still runs
+        on a transient bucket's buffer (an iteration abandoned mid-flight), so it may be lent again."""
+        if self.transient and self.holds_memory:
+            self.release(reusable=reusable)
         self.pending = len(self.params)
         if self._n_copied:
             self._copied = [False] * len(self.params)
             self._n_copied = 0
-        self.work = None
-        self._sum_divisor = 0
-        self.landed = False  # reduced, its work dropped (a transient bucket, `BucketSet.settle_landed`)
+        self._sum_divisor = 1
         self.sparse_grad = None
         self.payload = self.buffer
-        self.future = None
-        self.future_done = None
-        self.hook_view = None
-        self.hook_error = None
 
     def __repr__(self) -> str:
         return (
@@ -515,17 +485,17 @@ def _copy_in(views: list[torch.Tensor], grads: list[torch.Tensor | None], diviso
     batched call and scaled with another, which beats a call per tensor. Same arithmetic
     either way: a float multiply by 1/divisor.
     """
-    inv = 1.0 / divisor if divisor else 1.0
+    inv = 1.0 / divisor
     if whole is not None and all(g is not None for g in grads):  # the common case
         torch._foreach_copy_(views, grads)  # type: ignore[arg-type]
-        if divisor:
+        if divisor != 1:
             whole.mul_(inv)
         return
     small_views, small_grads = [], []
     for view, grad in zip(views, grads):
         if grad is None:
             view.zero_()
-        elif divisor and grad.numel() >= FUSED_COPY_MIN_NUMEL:
+        elif divisor != 1 and grad.numel() >= FUSED_COPY_MIN_NUMEL:
             torch.mul(grad, inv, out=view)
         else:
             small_views.append(view)
@@ -537,7 +507,7 @@ def _copy_batch(views: list[torch.Tensor], grads: list[torch.Tensor], divisor: i
     """views = grads / divisor for small tensors: one batched copy, one batched multiply."""
     if views:
         torch._foreach_copy_(views, grads)
-        if divisor:
+        if divisor != 1:
             _foreach_scale_(views, 1.0 / divisor)
 
 
@@ -554,15 +524,15 @@ def _foreach_scale_(views: list[torch.Tensor], factor: float) -> None:
 
 
 def _scale_into(grad: torch.Tensor | None, view: torch.Tensor, aliased: bool, divisor: int) -> None:
-    """view = grad / divisor, where divisor 0 means: copy without scaling."""
+    """view = grad / divisor (1: copied as it is)."""
     if grad is None:
         view.zero_()
     elif aliased:
-        if divisor:
+        if divisor != 1:
             view.div_(divisor)
     elif grad.requires_grad:  # backward(create_graph=True): leave `grad` itself intact
-        view.copy_(grad.detach() * (1.0 / divisor) if divisor else grad.detach())
-    elif divisor:
+        view.copy_(grad.detach() * (1.0 / divisor) if divisor != 1 else grad.detach())
+    elif divisor != 1:
         torch.mul(grad, 1.0 / divisor, out=view)
     else:
         view.copy_(grad)

@@ -1,26 +1,22 @@
-"""The Reducer's buckets under one layout: which bucket holds each parameter and where, how
-they are reduced (all-reduce, or reduce-scatter when the gradients are sharded), and the
-per-bucket steps that need the whole set: settling transient buckets as they land, waiting for
-one to land.
+"""The Reducer's buckets under one layout: which bucket holds each parameter and where, and
+how they are reduced (all-reduce, or reduce-scatter when the gradients are sharded). Their
+reductions in flight are `reductions.Reductions`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from . import layout as layouts
-from .bucket import REDUCE_BY, Bucket, Sharding
+from .bucket import Bucket, Sharding
+from .bucket_shard import ReduceBy, member
 from .comm import CommHook, sharded_hook_dtype
 from .device import host_runs_collectives
-from .iteration import Iteration
 from .pool import BufferPool
-from .timeline import EventKind
-from .waits import Waits
 
 __all__ = ["BucketSet"]
 
@@ -29,9 +25,9 @@ class BucketSet:
     """Buckets for `params`, installed from a layout (lists of parameter indices)."""
 
     def __init__(self, params: Sequence[torch.Tensor], expect_sparse: Sequence[bool], names: Sequence[str],
-                 dtype: torch.dtype | None, world_size: int, divides_sums: bool) -> None:
+                 dtype: torch.dtype | None, world_size: int, divides_after_sum: bool) -> None:
         self.params, self.expect_sparse, self.names = list(params), list(expect_sparse), list(names)
-        self.dtype, self.world_size, self.divides_sums = dtype, world_size, divides_sums
+        self.dtype, self.world_size, self.divides_after_sum = dtype, world_size, divides_after_sum
         self.buckets: list[Bucket] = []
         self.bucket_of: list[Bucket] = []  # parameter index -> its bucket
         self.position: list[int] = []  # parameter index -> its place in its bucket
@@ -52,7 +48,7 @@ class BucketSet:
         self.bucket_of = [None] * len(self.params)  # type: ignore[list-item]
         self.position = [0] * len(self.params)
         for bucket in self.buckets:
-            bucket.divides_sum = self.divides_sums
+            bucket.divides_after_sum = self.divides_after_sum
             for position, i in enumerate(bucket.param_indices):
                 self.bucket_of[i] = bucket
                 self.position[i] = position
@@ -73,15 +69,15 @@ class BucketSet:
 
     # ----------------------------------------------------------------------- sharding
 
-    def shard(self, group: dist.ProcessGroup, in_flight: int | None, reduce_by: str | None,
-              comm_hook: tuple[object, CommHook] | None, casts: bool, as_view: bool) -> None:
+    def shard(self, group: dist.ProcessGroup, in_flight: int | None, reduce_by: ReduceBy | str | None,
+              comm_hook: tuple[object, CommHook] | None, casts_to_reduce_dtype: bool, as_view: bool) -> None:
         """Reduce-scatter from now on (`Reducer.shard_gradients`), as a registered averaging
-        `comm_hook` does if there is one; `casts`: buckets cast to a reduce dtype first.
+        `comm_hook` does if there is one; `casts_to_reduce_dtype`: buckets cast first.
 
         Without bucket views (`as_view`) the buckets are transient: a buffer lives from its
         fill until its reduce-scatter has completed, and with `in_flight` no more than that
         many are reducing at once (backward waits for the oldest: memory bounded at the cost of
-        overlap where the network is slower than backward). `reduce_by` (`bucket.REDUCE_BY`):
+        overlap where the network is slower than backward). `reduce_by` (`ReduceBy`, or its string):
         "reduce_scatter" (the default on device backends), "all_to_all" (the default on host
         backends, gloo, whose all-to-all beats its reduce-scatter and all-reduce) or
         "all_reduce" (each bucket reduced whole, the shard copied out: DDP's very sums at any
@@ -98,14 +94,14 @@ class BucketSet:
         if any(self.expect_sparse):
             raise ValueError("gradsync: cannot shard the gradients: some parameters get sparse gradients")
         if reduce_by is None:
-            reduce_by = "all_to_all" if host_runs_collectives(group) else "reduce_scatter"
-        if reduce_by not in REDUCE_BY:
-            raise ValueError(f"shard_gradients(reduce_by={reduce_by!r}): expected one of {', '.join(REDUCE_BY)}")
+            reduce_by = ReduceBy.ALL_TO_ALL if host_runs_collectives(group) else ReduceBy.REDUCE_SCATTER
+        reduce_by = member(ReduceBy, reduce_by, f"shard_gradients(reduce_by={reduce_by!r})")
         transient = not as_view
         # Transient buffers are lent: as many as can be live at once (those reducing and the
         # one filling) stay warm between steps (`BufferPool`).
         keep = in_flight + 1 if in_flight is not None else 2
-        per_bucket = (2 if casts or dtype is not None else 1) + (reduce_by == "all_to_all")  # a cast, a receive buffer
+        # A cast beside each buffer, and a receive buffer for an all-to-all.
+        per_bucket = (2 if casts_to_reduce_dtype or dtype is not None else 1) + (reduce_by is ReduceBy.ALL_TO_ALL)
         pool = BufferPool(keep=per_bucket * keep) if transient else None
         self.shards = Sharding(group.rank(), transient, reduce_by, pool, comm_hook is not None, dtype)
         self.in_flight = in_flight
@@ -126,38 +122,3 @@ class BucketSet:
     @property
     def pool(self) -> BufferPool | None:
         return self.shards.pool if self.shards is not None else None
-
-    # ------------------------------------------------------------------ landing
-
-    def settle_landed(self, it: Iteration, waits: Waits, record: Any) -> None:
-        """Transient buckets: drop each buffer as soon as its reduce-scatter has landed (asked,
-        never waited for), so that gradient memory is the shards and the buckets in flight."""
-        limit = self.in_flight
-        while it.settled < it.next_bucket and (
-            self.buckets[it.settled].work.is_completed()  # type: ignore[union-attr]
-            or (limit is not None and it.next_bucket - it.settled > limit)
-        ):
-            settle(self.buckets[it.settled], waits, record)
-            it.settled += 1
-
-    def land(self, bucket: Bucket, it: Iteration, waits: Waits, record: Any, timeout: Any) -> None:
-        """Wait until `bucket`'s reduction has landed (a sharded one: settled, if not already)."""
-        if it.chain is not None:
-            bucket.accept(it.chain.result(bucket, timeout))
-        elif bucket.collective == "reduce_scatter":
-            if bucket.index >= it.settled:
-                settle(bucket, waits, record)
-        else:
-            waits(bucket.work, f"all-reduce of bucket {bucket.index}", bucket)
-
-
-def settle(bucket: Bucket, waits: Waits, record: Any) -> None:
-    """A reduce-scatter bucket has landed: take its shard, give its buffer back. `record(kind,
-    index)` notes the completion in the timeline (None: no timeline to add to)."""
-    waits(bucket.work, f"reduce-scatter of bucket {bucket.index}", bucket)  # raises if it failed
-    if record is not None:  # gloo's reduce-scatter has no Future to time it by
-        record(EventKind.COMPLETE, bucket.index)
-    bucket.take_shard()
-    if bucket.transient:  # back to the pool; the last bucket's tail is read before any
-        bucket.release()  # bucket takes a buffer again (`finish_backward`)
-    bucket.work, bucket.landed = None, True  # the work holds the buffer too

@@ -11,20 +11,44 @@ the cast, the all-to-all's receive buffer) and gives them back once the reductio
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 from .pool import BufferPool
 
-__all__ = ["BucketShard", "scaled_into"]
+__all__ = ["BucketShard", "ReduceBy", "member", "scaled_into"]
+
+_Mode = TypeVar("_Mode", bound=enum.Enum)
+
+
+class ReduceBy(str, enum.Enum):
+    """How a reduce-scatter bucket is reduced."""
+
+    REDUCE_SCATTER = "reduce_scatter"  # the backend's own (the device backends')
+    # An all-to-all and a local sum in rank order: gloo's fastest way, with half the bytes of an
+    # all-reduce (figures: docs/benchmarks/design-figures.md#gloo-all-to-all).
+    ALL_TO_ALL = "all_to_all"
+    ALL_REDUCE = "all_reduce"  # the whole bucket, the shard copied out: DDP's very sums at any size
+
+
+
+def member(kind: type[_Mode], value: object, what: str) -> _Mode:
+    """`value` as a member of `kind` (given as the member or its string), or a ValueError
+    saying `what` was given and the values it may take."""
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{what}: expected one of {', '.join(m.value for m in kind)}") from None
 
 
 class BucketShard:
     """This rank's shard of a bucket's `wire_numel` (padded) elements, `numel` of them gradients."""
 
     def __init__(self, numel: int, wire_numel: int, device: torch.device, shard_dtype: torch.dtype,
-                 world_size: int, rank: int, reduce_by: str, pool: BufferPool | None, scattered: bool) -> None:
+                 world_size: int, rank: int, reduce_by: ReduceBy, pool: BufferPool | None, scattered: bool) -> None:
         self.numel, self.wire_numel, self.device = numel, wire_numel, device
         # A reduce-scatter's result: this rank's slice of the summed (padded) buffer, in the
         # parameters' own dtype (under mixed precision the bucket's is the compute dtype): the
@@ -33,10 +57,9 @@ class BucketShard:
         self.shard = torch.zeros(chunk, dtype=shard_dtype, device=device)
         self.offset = rank * chunk
         self.rank, self.world_size = rank, world_size
-        # gloo's reduce-scatter copies its input and runs 1.3-2.5x slower than its all-reduce
-        # (16 MiB, 2 ranks: 24 vs 10 ms on loopback, 89 vs 70 ms at 2 Gbit/s), and its all-to-all
-        # twice as fast as that all-reduce: there each rank sends each shard to its owner and
-        # sums what it receives (`take`; `bucket.REDUCE_BY`).
+        # On gloo each rank sends each shard to its owner by an all-to-all and sums what it
+        # receives (`take`; `ReduceBy`): gloo's reduce-scatter copies its input and is slower
+        # (figures: docs/benchmarks/design-figures.md#gloo-all-to-all).
         self.reduce_by = reduce_by
         self.pool = pool  # lends a transient bucket's buffers (None: each allocated anew)
         self.hook_dtype: torch.dtype | None = None  # a compression hook's (`Bucket.reduce_as_hook`)
@@ -94,7 +117,7 @@ class BucketShard:
 
     def cast(self, buffer: torch.Tensor, dtype: torch.dtype, divisor: int, reciprocal: bool) -> torch.Tensor:
         """`buffer` cast to `dtype` and divided there (`reciprocal`: multiplied by 1/divisor, as
-        the all-reduce path's cast is, not at all for divisor 0; else divided, as torch's hooks
+        the all-reduce path's cast is (not at all for 1); else divided, as torch's hooks
         do). The cast, padded, is what is reduced from now on; returned without the padding."""
         padded, numel = self.wire_numel, self.numel
         if self.pool is not None:
@@ -116,7 +139,7 @@ class BucketShard:
     def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
         """Reduce-scatter the cast if there is one, else `wire`, into the shard."""
         source = self.cast_wire if self.cast_wire is not None else wire
-        if self.reduce_by == "all_to_all":
+        if self.reduce_by is ReduceBy.ALL_TO_ALL:
             return self._all_to_all(group, source)
         target = self.shard
         if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
@@ -182,7 +205,7 @@ class BucketShard:
 
 
 def scaled_into(source: torch.Tensor, divisor: int, out: torch.Tensor) -> torch.Tensor:
-    """`out` = `source` times 1/`divisor`, in `out`'s dtype; a plain copy for divisor 0."""
-    if divisor:
+    """`out` = `source` times 1/`divisor`, in `out`'s dtype; a plain copy for divisor 1."""
+    if divisor != 1:
         return torch.mul(source, 1.0 / divisor, out=out)
     return out.copy_(source)

@@ -10,46 +10,21 @@ gloo, the GPU for NCCL, which has no CPU backend).
 from __future__ import annotations
 
 import pickle
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .config import DEFAULT_TIMEOUT
-from .device import host_runs_collectives, object_device
-from .errors import ReductionTimeoutError
+from .device import object_device
+from .waits import wait, wait_error
 
 # As torch's DDP broadcasts module states at construction.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
 __all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather_ints", "all_gather_objects", "all_reduce",
            "broadcast_tensors", "finish_all_gather_ints", "start_all_gather_ints", "wait", "wait_error"]
-
-
-def wait(
-    work: dist.Work, what: str | Callable[[], str], group: dist.ProcessGroup, timeout: timedelta,
-    host: bool | None = None,
-) -> None:
-    """Every wait gradsync makes: `work.wait(timeout)`, a failure turned into an error that
-    says which collective (`what`, or what it returns: built only on failure) and whether it
-    timed out, judged by the clock rather than by the message's wording.
-
-    On a device backend (NCCL) the wait is stream-side and carries no timeout: a timed one
-    would hold the host until the GPU is done, and a timed-out one aborts the communicator;
-    the group's own timeout and watchdog bound it instead. `host`: `host_runs_collectives(group)`,
-    when the caller knows it (asking the group costs microseconds, once a bucket a step)."""
-    start = time.monotonic()
-    try:
-        if host_runs_collectives(group) if host is None else host:
-            work.wait(timeout)
-        else:
-            work.wait()
-    except RuntimeError as error:
-        timed_out = time.monotonic() - start >= 0.95 * timeout.total_seconds()
-        described = what() if callable(what) else what
-        raise wait_error(error, described, group, timeout, timed_out) from error
 
 
 def all_reduce(
@@ -64,19 +39,6 @@ def all_reduce(
     opts.reduceOp = op  # type: ignore[assignment]
     wait(group.allreduce([tensor], opts), what, group, timeout)
     return tensor
-
-
-def wait_error(
-    error: Exception, what: str, group: dist.ProcessGroup, timeout: timedelta, timed_out: bool
-) -> ReductionTimeoutError:
-    """The error for a collective that failed or timed out (built only when one did)."""
-    outcome = f"did not complete within {timeout}" if timed_out else "failed"
-    return ReductionTimeoutError(
-        f"gradsync: rank {group.rank()}/{group.size()}: {what} {outcome}: {error}\n"
-        "Another rank probably failed, stalled, or is not running the same code path (e.g. "
-        "skipped a backward); check its log. If the step is legitimately slow, raise the "
-        "timeout."
-    )
 
 
 def all_gather_objects(
@@ -140,8 +102,8 @@ def broadcast_tensors(
 
 
 # A tensor this large is broadcast where it lies, on its own: copying it into a flat buffer
-# and out again costs more than a collective of its own (1 MiB: about 0.2 ms of copies on a
-# CPU against 0.1-0.2 ms for one more gloo broadcast on loopback).
+# and out again costs more than a collective of its own
+# (figures: docs/benchmarks/design-figures.md#flat-broadcast-threshold).
 IN_PLACE_BYTES = 1 << 20
 
 

@@ -7,29 +7,17 @@ unchanged. `check_hook` refuses a hook that cannot work before any rank starts w
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import threading
-import time
-import weakref
 from collections.abc import Callable
-from datetime import timedelta
 from typing import Any
 
 import torch
 
 from .bucket import Bucket
-from .device import on_stream
-from .errors import GradSyncError, ReductionTimeoutError
-from .events import EventClock
-from .profiling import profiled as _profiled
-from .timeline import EventKind
+from .errors import GradSyncError
 
-LAUNCH, COMPLETE = EventKind.LAUNCH, EventKind.COMPLETE
-
-__all__ = ["CommHook", "GradBucket", "HookChain", "averages_by_one_allreduce", "check_hook", "check_registration",
-           "hook_name", "sharded_hook_dtype"]
+__all__ = ["CommHook", "GradBucket", "averages_by_one_allreduce", "check_hook", "check_hook_result",
+           "check_registration", "hook_name", "sharded_hook_dtype"]
 
 # A hook sees a GradBucket: torch's class under torch's DDP, ours (same methods) under gradsync's.
 CommHook = Callable[[Any, Any], torch.futures.Future]
@@ -131,7 +119,8 @@ def check_hook(hook: object) -> None:
         )
 
 
-def check_registration(current: tuple[object, CommHook] | None, hook: object, iterations: int, mixed: bool) -> None:
+def check_registration(current: tuple[object, CommHook] | None, hook: object, iterations: int,
+                       casts_to_reduce_dtype: bool) -> None:
     """Refuse a registration torch's DDP refuses too (twice, late), or that cannot work yet."""
     if current is not None:
         raise RuntimeError(
@@ -143,167 +132,14 @@ def check_registration(current: tuple[object, CommHook] | None, hook: object, it
             f"register_comm_hook must be called before the first forward/backward; "
             f"{iterations} iteration(s) have already run with the default all-reduce"
         )
-    if mixed:
+    if casts_to_reduce_dtype:
         raise NotImplementedError("gradsync: communication hooks with mixed precision are not supported yet")
     check_hook(hook)
 
 
-class HookChain:
-    """Runs the communication hook over the buckets of one iteration, in order.
-
-    Bucket k+1's hook starts only once bucket k's Future has completed. Hooks such as PowerSGD
-    issue more collectives from their Futures' callbacks and wait for them there. Started all at
-    once, those nested collectives interleave differently on each rank, and callbacks waiting
-    on work queued behind them occupy every gloo worker thread: a hang (torch 2.13's DDP hangs
-    on PowerSGD with one-parameter buckets for this reason). One at a time, every rank issues
-    the same collectives in the same order. The known hooks that issue their one all-reduce
-    inside the call (`averages_by_one_allreduce`) cannot interleave: they are launched as their
-    buckets fill, without waiting (`in_order`), so a slow link is never left idle between two
-    buckets (it carries every bucket under torchft).
-
-    Hooks are launched where torch's DDP launches them, on the backward thread (`release`,
-    `pump` from each gradient's hook, and `result` at the end of backward), never from a
-    communication thread's callback: a hook's own work (a cast, a division) then runs where
-    the user's backward runs, on its thread and stream, not on a gloo worker that other
-    collectives are waiting for.
-    """
-
-    def __init__(
-        self,
-        state: object,
-        hook: CommHook,
-        buckets: list[Bucket],
-        group: Any,
-        events: list,
-        describe: Callable[[int], str],
-        clock: Callable[[], int] = time.perf_counter_ns,
-        on_stream: Callable[[Any], contextlib.AbstractContextManager] = on_stream,
-    ) -> None:
-        self.state, self.hook, self.buckets = state, hook, buckets
-        self._on_stream = on_stream  # a bucket's hook runs on the stream it was filled on
-        self.group, self.events, self.describe, self.clock = group, events, describe, clock
-        self._lock = threading.RLock()
-        self._released = 0  # buckets full and in order, free to launch
-        self._launched = 0
-        self._pumping = False  # a launch loop is running (on the thread holding the lock)
-        self.waiting = False  # released buckets wait for their predecessor's Future
-        self.in_order = averages_by_one_allreduce(hook)  # launched at release, not after the predecessor
-
-    def release(self, count: int) -> None:
-        with self._lock:
-            self._released = count
-            self._pump()
-
-    def pump(self) -> None:
-        """Launch what has become launchable since (called from the backward thread)."""
-        with self._lock:
-            self._pump()
-
-    def _pump(self) -> None:
-        # Call with the lock held. A loop, not a recursion: a Future that is complete when
-        # returned (NCCL's are, at enqueue) lets it go straight on to the next bucket, so a
-        # thousand ready buckets never nest a thousand deep.
-        if self._pumping:
-            return
-        self._pumping = True
-        try:
-            while self._launched < self._released:
-                previous = self.buckets[self._launched - 1] if self._launched else None
-                if not self.in_order and previous is not None and not previous.future_done.is_set():  # type: ignore[union-attr]
-                    self.waiting = True
-                    return
-                bucket = self.buckets[self._launched]
-                self._launched += 1
-                self._launch(bucket)
-            self.waiting = False
-        finally:
-            self._pumping = False
-
-    def _launch(self, bucket: Bucket) -> None:
-        bucket.future_done = threading.Event()
-        self.events.append((self.clock(), LAUNCH, bucket.index))
-        view = GradBucket(bucket, is_last=bucket.index == len(self.buckets) - 1)
-        bucket.hook_view = view
-        try:
-            with _profiled(f"gradsync.comm_hook.bucket{bucket.index}"), self._on_stream(bucket.stream):
-                future = self._call(bucket, view)
-        except Exception as error:  # reported at the end of backward, on the backward thread
-            bucket.hook_error = GradSyncError(
-                f"gradsync: communication hook {hook_name(self.hook)} raised on "
-                f"{self.describe(bucket.index)}: {type(error).__name__}: {error}"
-            )
-            bucket.hook_error.__cause__ = error
-            bucket.future_done.set()
-            return
-        bucket.future = future
-        # Held weakly: the callback runs on a communication thread, and if it held the last
-        # reference to the chain (so to the process group), the group would be destroyed on
-        # its own worker thread, which cannot join itself ("Resource deadlock avoided").
-        future.add_done_callback(functools.partial(_chain_done, weakref.ref(self), bucket, bucket.future_done))
-
-    def _call(self, bucket: Bucket, view: GradBucket) -> torch.futures.Future:
-        if bucket.sparse:  # reduced as torch does, but in the chain's order
-            return self.group.allreduce([bucket.payload]).get_future().then(lambda f: f.value()[0])
-        future = self.hook(self.state, view)
-        if not isinstance(future, torch._C.Future):  # torch.futures.Future and the C++ kind
-            raise TypeError(
-                f"the hook returned {type(future).__name__}; a hook must return a "
-                "torch.futures.Future whose value is the reduced bucket tensor (e.g. "
-                "group.allreduce([t]).get_future().then(lambda f: f.value()[0]))"
-            )
-        return future
-
-    def _on_done(self, bucket: Bucket, done: threading.Event, future: object) -> None:
-        if isinstance(self.clock, EventClock):  # timed on the device, not at this callback
-            self.clock.after(future, self.events, COMPLETE, bucket.index)
-        else:
-            self.events.append((self.clock(), COMPLETE, bucket.index))
-        done.set()  # the next bucket is launched by the backward thread, not here
-
-    def result(self, bucket: Bucket, timeout: timedelta) -> torch.Tensor:
-        """The checked tensor of `bucket`'s Future, waiting at most `timeout` for it."""
-        where = self.describe(bucket.index)
-        name = hook_name(self.hook)
-        self._pump_until_launched(bucket, timeout)
-        assert bucket.future_done is not None
-        if not bucket.future_done.wait(timeout.total_seconds()):
-            raise ReductionTimeoutError(
-                f"gradsync: the Future returned by communication hook {name} for {where} did "
-                f"not complete within {timeout}. A hook whose collective is not issued on every "
-                "rank, or a Future nobody completes, ends here instead of hanging."
-            )
-        if bucket.hook_error is not None:
-            raise bucket.hook_error
-        assert bucket.future is not None and bucket.hook_view is not None
-        try:
-            # wait(), not value(): on a GPU it makes the current stream wait for the hook's
-            # work (NCCL's Futures complete at enqueue), so the copy out reads landed data.
-            value = bucket.future.wait()
-        except Exception as error:
-            raise GradSyncError(f"gradsync: communication hook {name} failed for {where}: {error}") from error
-        if isinstance(value, (list, tuple)) and len(value) == 1:
-            value = value[0]
-        if bucket.sparse:
-            return value
-        return _checked(value, bucket, bucket.hook_view.buffer(), name, where)
-
-    def _pump_until_launched(self, bucket: Bucket, timeout: timedelta) -> None:
-        self.pump()
-        if bucket.future_done is None:  # its predecessor has not completed yet: wait for it
-            previous = self.buckets[bucket.index - 1]
-            assert previous.future_done is not None
-            # Normally already set (results are taken in order); bounded all the same.
-            previous.future_done.wait(timeout.total_seconds())
-            with self._lock:
-                self._pump()
-        if bucket.future_done is None:
-            raise ReductionTimeoutError(
-                f"gradsync: {self.describe(bucket.index)} was never launched: the previous "
-                f"bucket's Future did not complete within {timeout}"
-            )
-
-
-def _checked(value: object, bucket: Bucket, expected: torch.Tensor, name: str, where: str) -> torch.Tensor:
+def check_hook_result(value: object, bucket: Bucket, expected: torch.Tensor, name: str, where: str) -> torch.Tensor:
+    """A hook's result, refused unless it is a tensor of the bucket's shape, in its dtype or the
+    one the hook gave it (`GradBucket.set_buffer`)."""
     if not isinstance(value, torch.Tensor):
         raise GradSyncError(
             f"gradsync: communication hook {name} completed {where} with "
@@ -319,11 +155,3 @@ def _checked(value: object, bucket: Bucket, expected: torch.Tensor, name: str, w
             f"shape {list(expected.shape)} and dtype {' or '.join(sorted(str(d) for d in dtypes))}"
         )
     return value
-
-
-def _chain_done(chain: weakref.ref[HookChain], bucket: Bucket, done: threading.Event, future: object) -> None:
-    live = chain()
-    if live is not None:
-        live._on_done(bucket, done, future)
-    else:
-        done.set()

@@ -40,16 +40,12 @@ class Iteration:
     output comes from (`prepare.answer_in_backward`); None once answered for good, or walked."""
     answered: bool = False
     """The search was answered by the backward now running (the outputs' node's prehook)."""
-    chain: Any = None
-    """The communication hook's `HookChain`, if a hook is registered."""
-    ride: bool = False
+    reports_in_tail: bool = False
     """This rank's report rides in the last bucket's all-reduce."""
+    joined: bool = False
+    """A joined rank's shadow of the active ranks' iteration (`shadow`)."""
     missing: list[int] = dataclasses.field(default_factory=list)
     """Parameters without a gradient when backward ended."""
-    next_bucket: int = 0
-    """Buckets before it are launched."""
-    settled: int = 0
-    """Transient buckets before it have landed and given their buffers back."""
     end_queued: bool = False
     """The end of backward is queued on the autograd engine (or nothing is left to finish)."""
     watching: bool = False

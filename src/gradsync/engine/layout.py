@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .bucket import Bucket, Sharding
+from .bucket import Bucket, Collective, ReduceBy, Sharding
 from .bucketing import compute_bucket_assignment_by_size
 from .collectives import broadcast_tensors
 from .errors import format_names
@@ -31,15 +31,15 @@ def make_buckets(
     shards: Sharding | None = None,
 ) -> list[Bucket]:
     """The buckets of `layout`. The last one carries one element per rank after its gradients,
-    where each rank's report rides (`accumulation`). With `shards` the buckets are
+    where each rank's report rides (`reports`). With `shards` the buckets are
     reduce-scattered instead, and carry no tail unless all-reduced."""
     last = len(layout) - 1
     if shards is not None:
         return [
-            Bucket(b, indices, params, dtype=dtype, collective="reduce_scatter", world_size=world_size,
+            Bucket(b, indices, params, dtype=dtype, collective=Collective.REDUCE_SCATTER, world_size=world_size,
                    rank=shards.rank, transient=shards.transient, reduce_by=shards.reduce_by,
                    pool=shards.pool, hooked=shards.hooked, hook_dtype=shards.hook_dtype,
-                   tail=world_size if b == last and world_size > 1 and shards.reduce_by == "all_reduce" and not shards.hooked
+                   tail=world_size if b == last and world_size > 1 and shards.reduce_by is ReduceBy.ALL_REDUCE and not shards.hooked
                    else 0)
             for b, indices in enumerate(layout)
         ]

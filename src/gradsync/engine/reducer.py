@@ -2,31 +2,32 @@
 
 One gradient's path, as torch's c10d Reducer runs it:
 
-1. `prepare_for_backward(outputs)` (from forward) starts the iteration (`iteration.Iteration`,
-   handed to every phase after it): with unused-parameter search on, it walks the graph from
-   the outputs for parameters that cannot get a gradient, and it asks backward to call
+1. `prepare_for_backward(outputs)` (from forward) starts the iteration (`iteration.Iteration`):
+   with unused-parameter search on, it finds the parameters that cannot get a gradient (or
+   leaves the question for backward to answer), and it asks backward to call
    `_end_of_backward` once backward has passed through the outputs.
 2. `_autograd_hook` (the parameter's post-accumulate-grad hook) marks it ready (`_mark`); the
    first hook also marks the unused parameters, so no bucket waits for them.
-3. When a bucket's last gradient arrives it is filled (`Bucket.fill`: copied in, divided by the
-   world size, which keeps half precision from overflowing in the sum) and, strictly in order,
-   launched (`Launcher.launch_ready`): its all-reduce runs while autograd computes the rest.
-4. `_end_of_backward` launches what never filled (and has every rank raise, naming the
-   parameters), then `finish_backward` waits for each bucket and writes back (`Bucket.write_back`).
+3. When a bucket's last gradient arrives, the owner of the buckets' reductions
+   (`reductions.Reductions`) fills it (copied in, divided by the world size, which keeps half
+   precision from overflowing in the sum) and, strictly in order, starts its all-reduce, which
+   runs while autograd computes the rest.
+4. `_end_of_backward` starts what never filled (and has every rank raise, naming the
+   parameters), then `finish_backward` has `Reductions.write_back` wait for each bucket and
+   write the averages into `.grad`.
 
-The units around it: `bucket_set` (the layout's buckets), `layout` (the one-time rebuild in
-ready order), `static_graph`, `used_map`, `report_checks` (each rank's report), `history` (the
-timelines), `shadow` (a joined rank's side), `comm.HookChain`.
+Around it: `bucket_set` (the layout's buckets), `layout` (the one-time rebuild in ready order),
+`static_graph`, `used_map`, `reports` (each rank's report), `history` (the timelines),
+`shadow` (a joined rank's side).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import enum
 import functools
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -37,34 +38,25 @@ from torch.utils.hooks import RemovableHandle
 from . import layout as layouts
 from . import missing, shadow, static_graph
 from .bucket_set import BucketSet
+from .bucket_shard import ReduceBy
 from .bucketing import validate_bucket_indices
 from .comm import CommHook, check_registration
 from .config import ReducerConfig
 from .device import CudaCalls, DeviceCalls
 from .errors import GradSyncError, format_names, marked_twice_message
 from .events import EventClock
-from .finish import Finisher
 from .history import Timelines
 from .iteration import Iteration
-from .launch import Launcher
 from .pool import BufferPool
-from .prepare import (
-    answer_in_backward,
-    held_accumulators,
-    new_iteration,
-    settle_search,
-    start_search,
-    watch_backward_start,
-)
-from .profiling import profiled as _profiled
-from .report_checks import ReportChecks
+from .reductions import Reductions, profiled
+from .reports import ReportChecks
 from .settings import Settings, changed_config
-from .timeline import EventKind
-from .unused import find_tensors
+from .timeline import DiscardedEvents, EventKind, IterationTimeline, untimed
+from .unused import Accumulators, reachable_from, reachable_parameters
 from .used_map import UsedMap
 from .waits import StallMonitor, Waits
 
-__all__ = ["Phase", "Reducer", "StallMonitor"]
+__all__ = ["Phase", "Reducer", "StallMonitor", "find_tensors"]
 
 
 class Phase(enum.Enum):
@@ -88,6 +80,10 @@ class Reducer:
     so the first bucket should hold the parameters whose gradients are ready first.
     """
 
+    # The wrapper's "forwards since the last synchronisation, and reset", held weakly (the
+    # wrapper holds this reducer; a dead wrapper's count is taken as one forward).
+    take_micro_steps: weakref.WeakMethod[Callable[[], int]] | None = None
+
     def __init__(
         self,
         params: Sequence[torch.Tensor],
@@ -105,33 +101,43 @@ class Reducer:
         self.expect_sparse_gradient = list(expect_sparse_gradient or [False] * len(self.params))
         self.process_group, config = process_group, config or ReducerConfig()
         self.rank, self.world_size = process_group.rank(), process_group.size()
-        parts = _Parts.build(self.params, self.names, self.expect_sparse_gradient, process_group, config,
-                             device_calls)
-        self._calls, self._s, self._used, self._waits, self._checks = parts.units()
-        self._timelines, self._set, self._launcher, self._finisher, self._joined = parts.phases()
-        self.iteration_listeners = self._timelines.listeners
+        self._calls, device_clock = _on_the_device(self.params[0], config, device_calls)
+        self._settings = Settings.of(config, process_group, device_clock, self.params[0].dtype, len(self.params))
+        self._used, self._waits = UsedMap(self.names, process_group), Waits(process_group, self.names)
+        self._checks = ReportChecks(process_group, self._waits)
+        self._bucket_set = BucketSet(self.params, self.expect_sparse_gradient, self.names, config.bucket_dtype,
+                                     self.world_size, self._settings.divides_after_sum)
+        self._reductions = Reductions(self._settings, self._bucket_set, process_group, self._checks, self._waits,
+                                      self._used, self._calls)
+        self._timelines = Timelines(config.history, self.rank, device_clock)
         self._install(validate_bucket_indices(bucket_indices, self.params, self.names))
-        self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None and (
-            self.config.static_graph or not self._s.find_unused
-        )
+        self._needs_rebuild = config.rebuild_bucket_size_limits is not None and (
+            config.static_graph or not config.find_unused_parameters)
         self.iteration, self._forward_start_ns = 0, 0
         self.reductions = 0  # synchronised iterations finished (a sharded optimizer counts them)
         self.last_used: list[int] | None = None  # the used map they were written back with
         self.shard_owner: Callable[[], object] | None = None  # the sharded optimizer's weak reference
         self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # `register_finish_hook`
-        self.phase = Phase.IDLE
-        self._it = Iteration.idle(0, len(self.params), self.world_size)
-        self._accumulators = held_accumulators(self._s, self.params)
+        self.phase, self._it = Phase.IDLE, Iteration.idle(0, len(self.params), self.world_size)
+        # Held for the unused search to ask the engine about (else it walks the graph); not
+        # with parameters cast each forward (`bucket_dtype`), whose accumulators are new each time.
+        held = self._settings.find_unused and config.bucket_dtype is None
+        self._accumulators = Accumulators(self.params) if held else None
         _attach_hooks(self)
+
+    @property
+    def iteration_listeners(self) -> list[Callable[[int, Any], None]]:
+        """Called with (rank, timeline) as each finished iteration's timeline is resolved."""
+        return self._timelines.listeners
 
     @property
     def config(self) -> ReducerConfig:
         """The configuration in force (`configure` changes it between iterations)."""
-        return self._s.config
+        return self._settings.config
 
     @config.setter
     def config(self, config: ReducerConfig) -> None:
-        self._s.reconfigure(config, self.process_group)
+        self._settings.reconfigure(config, self.process_group)
 
     # ----------------------------------------------------------------------------- layout
 
@@ -140,45 +146,46 @@ class Reducer:
         return [list(b.param_indices) for b in self.buckets]
 
     def _install(self, layout: list[list[int]]) -> None:
-        self._set.install(layout, self.config.gradient_as_bucket_view)
-        self.buckets, self._bucket_of, self._position = self._set.buckets, self._set.bucket_of, self._set.position
+        self._bucket_set.install(layout, self.config.gradient_as_bucket_view)
+        self.buckets = self._bucket_set.buckets
+        self._bucket_of, self._position = self._bucket_set.bucket_of, self._bucket_set.position
 
     def install_layout(self, layout: Sequence[Sequence[int]]) -> None:
         """Replace the bucket layout between iterations (every rank must install the same)."""
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("install_layout: an iteration is still being reduced")
-        self._set.check_relayout()
+        self._bucket_set.check_relayout()
         self._needs_rebuild = False
         self._install(validate_bucket_indices(layout, self.params, self.names))
 
     def shard_gradients(self, layout: Sequence[Sequence[int]], in_flight: int | None = None,
-                        reduce_by: str | None = None) -> None:
+                        reduce_by: ReduceBy | str | None = None) -> None:
         """Reduce-scatter from now on, in buckets of `layout` for good: each rank keeps only its
         shard of each bucket's averaged gradients (`Bucket.shard`), `.grad` cleared once a
         gradient is in its bucket; `in_flight` and `reduce_by` as `BucketSet.shard` takes them.
         For a sharded optimizer (`gradsync.ZeroRedundancyOptimizer`); every rank must call it alike."""
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("shard_gradients: an iteration is still being reduced")
-        self._set.shard(self.process_group, in_flight, reduce_by, self._s.comm_hook, self._s.scale_at_launch,
-                        self.config.gradient_as_bucket_view)
+        self._bucket_set.shard(self.process_group, in_flight, reduce_by, self._settings.comm_hook,
+                               self._settings.casts_to_reduce_dtype, self.config.gradient_as_bucket_view)
         self._needs_rebuild = False
         self._install(validate_bucket_indices(layout, self.params, self.names))
 
     @property
     def sharded(self) -> bool:
         """Whether buckets are reduce-scattered (`shard_gradients`)."""
-        return self._set.shards is not None
+        return self._bucket_set.shards is not None
 
     @property
     def buffer_pool(self) -> BufferPool | None:
         """Lends the transient buckets' buffers (sharded, without bucket views); a sharded
         optimizer's gathers borrow from it too, outside backward."""
-        return self._set.pool
+        return self._bucket_set.pool
 
     @property
-    def shards_reduced_by(self) -> str | None:
-        """How sharded buckets are reduced (`bucket.REDUCE_BY`); None when not sharded."""
-        return self._set.shards.reduce_by if self._set.shards is not None else None
+    def shards_reduced_by(self) -> ReduceBy | None:
+        """How sharded buckets are reduced; None when not sharded."""
+        return self._bucket_set.shards.reduce_by if self._bucket_set.shards is not None else None
 
     @property
     def rebuilt(self) -> bool:
@@ -188,7 +195,7 @@ class Reducer:
     def rebuild_if_due(self) -> None:
         """Rebuild the buckets in ready order once, as torch: after the first synchronised
         iteration, or with a static graph the second (the first only counts hooks)."""
-        if not self._needs_rebuild or self._timelines.finished < (2 if self._s.static else 1):
+        if not self._needs_rebuild or self._timelines.finished < (2 if self._settings.static else 1):
             return
         self._needs_rebuild = False
         layout = layouts.rebuilt_layout(
@@ -200,12 +207,12 @@ class Reducer:
 
     def locate(self, index: int) -> tuple[int, int]:
         """(bucket index, position in that bucket) of parameter `index`."""
-        return self._set.locate(index)
+        return self._bucket_set.locate(index)
 
     # ------------------------------------------------------------------ iteration lifecycle
 
     def prepare_for_backward(
-        self, outputs: object = None, divisor: int | None = None, micro_steps: int = 1
+        self, outputs: object = None, divisor: int | None = None, micro_steps: int | None = None
     ) -> None:
         """Start a synchronised iteration; call from forward with its outputs.
 
@@ -215,7 +222,9 @@ class Reducer:
         never came is reported there, on every rank. Gradients are averaged over `divisor`
         ranks (default: the group size; fewer when ranks have joined early and the caller says
         so). `micro_steps` counts the forwards this synchronisation covers (1 + those under
-        no_sync); every rank must cover the same number (`config.check_accumulation`).
+        no_sync); every rank must cover the same number (`config.check_accumulation`). Not
+        given (a framework preparing the backward itself, as torch's reducer lets it), it is
+        asked of `take_micro_steps`, which the wrapper sets, or taken as 1.
         """
         self._check_prior_reduction_finished()
         self._checks.check_landed(self.iteration, self.config.check_accumulation)
@@ -227,12 +236,55 @@ class Reducer:
         if self._waits.monitor is not None:
             self._waits.monitor.mark_progress(self.iteration)
         tensors = find_tensors(outputs) if outputs is not None else []
-        it = self._it = new_iteration(self._s, self._set, self.iteration, divisor or self.world_size, micro_steps,
-                                      self._forward_start_ns, self._needs_rebuild)
-        start_search(it, self._s, self.params, tensors, self._accumulators)
-        it.chain = self._launcher.new_chain(it)
-        it.ride = self._finisher.reports_ride_along()
-        watch_backward_start(it, tensors, functools.partial(_on_backward_start, weakref.ref(self), it))
+        if micro_steps is None:
+            take = self.take_micro_steps() if self.take_micro_steps is not None else None
+            micro_steps = take() if take is not None else 1
+        it = self._it = self._new_iteration(divisor or self.world_size, micro_steps)
+        self._start_search(it, tensors)
+        self._reductions.begin(it)
+        # Backward reaches forward's outputs first, in the outermost backward (a reentrant
+        # checkpoint's nested backward comes later, inside it); a callback queued from there
+        # runs when that whole backward has ended: the one place to see a bucket left unfilled.
+        nodes = {id(t.grad_fn): t.grad_fn for t in tensors if t.grad_fn is not None}
+        for node in nodes.values():
+            node.register_prehook(functools.partial(_on_backward_start, weakref.ref(self), it))
+        it.watching = bool(nodes)
+
+    def _new_iteration(self, divisor: int, micro_steps: int) -> Iteration:
+        """This iteration's state, its timeline started now. The ready order is recorded
+        whatever the config says while the rebuild needs it (without it the first iteration's
+        single bucket stayed for good, and nothing overlapped). On the device, gradients are
+        timed on sampled iterations only (a CUDA event per gradient costs the host
+        microseconds); buckets and the iteration always are."""
+        s, layout = self._settings, self._bucket_set
+        sampled = not s.device_timed or self.iteration % s.config.time_gradients_every == 0
+        timeline = IterationTimeline(
+            iteration=self.iteration,
+            start_ns=s.clock(),
+            bucket_indices=layout.layout,  # shared, not copied: a layout is never mutated
+            bucket_bytes=layout.layout_bytes,
+            events=[] if s.config.record_events or self._needs_rebuild else DiscardedEvents(),
+            forward_start_ns=self._forward_start_ns,
+            gradients_timed=sampled,
+        )
+        return Iteration(self.iteration, [False] * len(self.params), timeline, s.clock if sampled else untimed,
+                         divisor, micro_steps)
+
+    def _start_search(self, it: Iteration, outputs: list[torch.Tensor]) -> None:
+        """`it.unused`, the parameters to mark ready at the first hook: unreachable from
+        `outputs` (unused-parameter search), or, with a static graph once learned, never fired.
+        Or the search left for backward (`_answer_in_backward`): `it.search`, a weak reference
+        to the one node every output comes from."""
+        s, unused, search = self._settings, [], None
+        if s.find_unused:
+            search = _deferrable(outputs) if self._accumulators is not None else None
+            if search is None:
+                unused = _unreached(self.params, reachable_parameters(outputs))
+        if s.static is not None:
+            s.static.start_iteration()
+            if s.static.learned:
+                unused, search = list(s.static.unused), None
+        it.unused, it.search, it.unused_pending = unused, search, bool(unused) or search is not None
 
     def prepare_for_forward(self) -> None:
         """Note that a new forward has started (call it on every forward, synced or not).
@@ -241,7 +293,7 @@ class Reducer:
         an error: it would be silently left out of the average.
         """
         self.note_module_forward()
-        self._forward_start_ns = self._s.clock()
+        self._forward_start_ns = self._settings.clock()
 
     def note_module_forward(self) -> None:
         """The wrapped module ran forward (through the wrapper or not): gradients from here on
@@ -252,9 +304,9 @@ class Reducer:
     def _clear_reduction(self) -> None:
         """Drop what an iteration left in flight: reports, used map, the buckets' state."""
         self._checks.reports.abandon()
-        self._used.abandon()
-        for bucket in self.buckets:
-            bucket.reset()
+        if self._settings.find_unused or self._settings.static is not None:  # the only users of a used map
+            self._used.abandon()
+        self._reductions.clear()
 
     def _check_prior_reduction_finished(self) -> None:
         # Reached only where the end of backward could not be seen (forward returned no
@@ -262,7 +314,7 @@ class Reducer:
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             unmarked = self._it.unmarked()
             error = missing.unfinished_iteration_error(
-                [self.names[i] for i in unmarked], self.rank, self._s.find_unused, self.iteration,
+                [self.names[i] for i in unmarked], self.rank, self._settings.find_unused, self.iteration,
                 self._waits.monitor, [self.names[i] for i in unmarked if not self.params[i].requires_grad],
             )
             self.abandon_iteration()
@@ -280,7 +332,7 @@ class Reducer:
         # Runs once per parameter per backward: plain bookkeeping only. Gradients are copied
         # into the bucket in one batch when its last one arrives (`Bucket.fill`).
         phase, it = self.phase, self._it
-        if self._s.find_unused and param.grad is not None:
+        if self._settings.find_unused and param.grad is not None:
             self._used.local[index] = 1  # without a gradient (an output left out) it is unused
         if phase is not _BACKWARD:  # the common case first: one comparison
             if phase is _PREPARED:
@@ -291,7 +343,7 @@ class Reducer:
                 if phase is _REDUCED and it.marked[index]:
                     raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
                 return
-        static = self._s.static
+        static = self._settings.static
         if static is not None and not static.fire(index):
             if static.learning:
                 static_graph.learning_fire(static, it, self._used, index, param, self._queue_end_of_backward)
@@ -302,15 +354,38 @@ class Reducer:
             cause = "unused" if index in it.unused else "repeat"
             raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, cause))
         self._mark(it, index, EventKind.READY)
-        chain = it.chain
-        if chain is not None and chain.waiting:  # a bucket whose predecessor has completed since
-            chain.pump()
+        if self._reductions.hook_waiting:  # a bucket whose predecessor's hook has completed since
+            self._reductions.hand_to_hook(it)
 
     def _mark_unused(self, it: Iteration, first: int | None = None) -> None:
         # Deferred from prepare_for_backward to the first hook, as torch does: a forward that is
         # never followed by backward then leaves no half-done iteration behind.
-        for unused in settle_search(it, self._accumulators, self.params, first):
+        if it.search is not None:  # the search's answer, for good (asked now if backward has
+            if not it.answered:  # not reached the outputs' node yet)
+                it.unused = self._answer_in_backward(it.search, first)
+            it.search = None
+        it.unused_pending = False
+        for unused in it.unused:
             self._mark(it, unused, EventKind.UNUSED)
+
+    def _answer_in_backward(self, search: Callable[[], Any], first: int | None) -> list[int]:
+        """The search left for backward, answered there: in the outputs' node's prehook
+        (`first` is None), or at a gradient that came before backward reached that node
+        (`first`, its index).
+
+        The engine's answer is the walk's whenever backward runs through the outputs' node: all
+        it reaches from there, the engine runs (what it runs besides are parameters used
+        outside forward, which torch's DDP rejects). A gradient that came first, while that
+        node is still to run, is one of those: torch's DDP marks it unused, then ready, and
+        raises; so does the Reducer, given it as unused. A backward that does not run through
+        the node gets the walk's answer, or, the node gone with its graph, the engine's."""
+        assert self._accumulators is not None, "a search waits for backward only with accumulators held"
+        node = search() if first is not None else None
+        if first is None or node is None:
+            return self._accumulators.unused()
+        if torch._C._will_engine_execute_node(node):
+            return [first]
+        return _unreached(self.params, reachable_from([node]))
 
     def _mark(self, it: Iteration, index: int, kind: int) -> None:
         it.marked[index] = True
@@ -318,19 +393,20 @@ class Reducer:
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
-            it.timeline.events.append((self._s.clock(), EventKind.BUCKET_READY, bucket.index))
-            self._launcher.fill(it, bucket)
-            if bucket.index == it.next_bucket and self._launcher.launch_ready(it) and self.phase is _BACKWARD:
+            it.timeline.events.append((self._settings.clock(), EventKind.BUCKET_READY, bucket.index))
+            reductions = self._reductions
+            reductions.fill(it, bucket)
+            if bucket.index == reductions.started and reductions.start_ready(it) and self.phase is _BACKWARD:
                 self._all_launched(it)  # strictly in order: this one and every full one after it
         elif kind == EventKind.READY and bucket.copies_early:
             position = self._position[index]
             if bucket.early[position]:
-                bucket.take_one(position, self._launcher.divisor(it), self.config.gradient_as_bucket_view)
+                bucket.copy_early(position, self._reductions.divisor(it), self.config.gradient_as_bucket_view)
 
     def _all_launched(self, it: Iteration) -> None:
         """Every bucket is on its way: reduce the used map; finish at the end of backward."""
         self.phase = Phase.LAUNCHED
-        if self._s.find_unused and it.chain is None:
+        if self._settings.find_unused and not self._reductions.hooked:
             self._used.start(self.buckets[0].buffer.device, self.config.report_unused)
         if not it.end_queued:  # backward did not come through the outputs: finish as torch
             self._queue_end_of_backward(it)
@@ -348,8 +424,8 @@ class Reducer:
             return
         if self.phase is not Phase.BACKWARD and self.phase is not Phase.LAUNCHED:
             return  # finished already
-        if self._s.static is not None and self._s.static.learning:
-            static_graph.finish_first_iteration(self._s.static, it, self._mark, self._start_used_map,
+        if self._settings.static is not None and self._settings.static.learning:
+            static_graph.finish_first_iteration(self._settings.static, it, self._mark, self._start_used_map,
                                                 self.finish_backward)
             return
         if self.phase is Phase.BACKWARD:
@@ -359,12 +435,12 @@ class Reducer:
     def finish_learning_iteration(self) -> None:
         """The static graph's first iteration, finished now if its backward is still running
         (torch's `_delay_all_reduce`); else nothing left to do."""
-        learning = self._s.static is not None and self._s.static.learning
+        learning = self._settings.static is not None and self._settings.static.learning
         if learning and self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             self._end_of_backward(self._it)
 
     def _start_used_map(self, it: Iteration) -> None:
-        if it.chain is None:  # else at the end, after the chain's collectives
+        if not self._reductions.hooked:  # else at the end, after the hook's collectives
             self._used.start(self.buckets[0].buffer.device, False)
 
     def _complete_missing(self, it: Iteration) -> None:
@@ -383,19 +459,19 @@ class Reducer:
     def finish_backward(self) -> None:
         """Wait for every bucket and write the averaged gradients into `.grad`."""
         it = self._it
-        it.timeline.backward_end_ns = self._s.clock()
-        assert it.next_bucket == len(self.buckets), "finish_backward before every launch"
+        it.timeline.backward_end_ns = self._settings.clock()
         try:
-            with torch.no_grad(), _profiled("gradsync.finish_backward"):
-                self._waits.begin(self.iteration, self.config.timeout, self.buckets)
-                self.last_used, self.reductions = self._finisher.write_back(it), self.reductions + 1
+            with torch.no_grad(), profiled("gradsync.finish_backward"):
+                self._waits.begin(self.iteration, self.config.timeout, self.buckets, self._reductions.done_within)
+                self.last_used, self.reductions = self._reductions.write_back(it), self.reductions + 1
         finally:
             self.phase = Phase.REDUCED  # the marks kept: a gradient still coming is reported
-            it.timeline.finish_ns = self._s.clock()
-            self._timelines.add(it.timeline, self._s.device_timed)
-            self._used.clear()
+            it.timeline.finish_ns = self._settings.clock()
+            self._timelines.add(it.timeline, self._settings.device_timed)
+            if self._settings.find_unused or self._settings.static is not None:
+                self._used.clear()
             self._clear_reduction()
-            it.end_queued, it.chain = True, None  # until the next iteration: nothing more to finish
+            it.end_queued = True  # until the next iteration: nothing more to finish
         for hook in list(self._finish_hooks.values()):
             hook()
 
@@ -424,15 +500,15 @@ class Reducer:
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
-        check_registration(self._s.comm_hook, hook, self.iteration, self._s.scale_at_launch)
-        if self._set.shards is not None:  # the hook's reduction, done as a reduce-scatter
-            self._set.reduce_as_hook(state, hook, self.process_group)
-        self._s.comm_hook = (state, hook)
+        check_registration(self._settings.comm_hook, hook, self.iteration, self._settings.casts_to_reduce_dtype)
+        if self._bucket_set.shards is not None:  # the hook's reduction, done as a reduce-scatter
+            self._bucket_set.reduce_as_hook(state, hook, self.process_group)
+        self._settings.comm_hook = (state, hook)
 
     @property
     def comm_hook(self) -> tuple[object, CommHook] | None:
         """(state, hook) as registered, or None."""
-        return self._s.comm_hook
+        return self._settings.comm_hook
 
     def configure(self, **changes: object) -> None:
         """Change what may change between iterations (`config.RUNTIME_FIELDS`: timeout, the
@@ -452,8 +528,8 @@ class Reducer:
                 f"set_static_graph: {self.iteration} iterations have run already; the static "
                 "graph must be known from the first. Pass static_graph=True when wrapping instead."
             )
-        if self._s.static is None:
-            self.config = self._s.make_static(len(self.params))
+        if self._settings.static is None:
+            self.config = self._settings.make_static(len(self.params))
             self._needs_rebuild = self.config.rebuild_bucket_size_limits is not None
 
     def set_stall_monitor(self, monitor: StallMonitor, timeout: timedelta | None = None) -> None:
@@ -475,53 +551,64 @@ class Reducer:
         self.rebuild_if_due()
         # Averaged over the ranks its last iteration averaged over (the active ranks' divisor).
         it = Iteration.idle(self.iteration, len(self.params), self._it.divisor)
-        it.micro_steps, it.ride = 0, self._finisher.reports_ride_along()
-        self._waits.begin(self.iteration, self.config.timeout, [], watch=False)
+        it.micro_steps, it.joined = 0, True
+        self._waits.begin(self.iteration, self.config.timeout, [])
         try:
-            self.last_used, self.reductions = shadow.shadow_iteration(self._joined, it), self.reductions + 1
+            self.last_used, self.reductions = shadow.shadow_iteration(self._reductions, self._used, it), self.reductions + 1
         finally:
             self._clear_reduction()
 
 
-@dataclasses.dataclass(frozen=True)
-class _Parts:
-    """The units a Reducer runs its iterations through, built for its parameters and group."""
+def find_tensors(obj: object) -> list[torch.Tensor]:
+    """All tensors inside an arbitrary forward output: tuples, lists, dicts, dataclasses."""
+    found: list[torch.Tensor] = []
+    stack = [obj]
+    seen: set[int] = set()
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            found.append(item)
+        elif id(item) in seen or isinstance(item, (str, bytes)):
+            continue
+        elif isinstance(item, Mapping):
+            seen.add(id(item))
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            seen.add(id(item))
+            stack.extend(item)
+        elif hasattr(item, "__dataclass_fields__"):
+            seen.add(id(item))
+            stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
+    return found
 
-    calls: DeviceCalls | None
-    settings: Settings
-    used: UsedMap
-    waits: Waits
-    checks: ReportChecks
-    timelines: Timelines
-    buckets: BucketSet
-    launcher: Launcher
-    finisher: Finisher
-    joined: shadow.Joined
 
-    @classmethod
-    def build(cls, params: list[torch.Tensor], names: list[str], sparse: list[bool], group: dist.ProcessGroup,
-              config: ReducerConfig, device_calls: DeviceCalls | None) -> _Parts:
-        # On a GPU: its streams (a bucket is filled and launched on the stream backward runs
-        # on), and the timeline timed with CUDA events, resolved once they have passed.
-        calls = device_calls if device_calls is not None else (CudaCalls() if params[0].is_cuda else None)
-        device_clock = config.clock if isinstance(config.clock, EventClock) else (
-            EventClock(calls=calls) if calls is not None else None
-        )
-        s = Settings.of(config, group, device_clock, params[0].dtype, len(params))
-        used, waits = UsedMap(names, group), Waits(group, names)
-        checks = ReportChecks(group, waits)
-        buckets = BucketSet(params, sparse, names, config.bucket_dtype, group.size(), s.divides_sums)
-        launcher = Launcher(s, buckets, group, checks, waits, calls, names)
-        finisher = Finisher(s, buckets, group, waits, used, checks, launcher)
-        joined = shadow.Joined(s, buckets, group, waits, used, checks.reports, finisher)
-        timelines = Timelines(config.history, group.rank(), device_clock)
-        return cls(calls, s, used, waits, checks, timelines, buckets, launcher, finisher, joined)
+def _deferrable(outputs: list[torch.Tensor]) -> Callable[[], object] | None:
+    """A weak reference to the node every output comes from (the wrapper's output sink), or
+    None where the search must walk now: outputs from several nodes, a leaf among them, or a
+    node that cannot be held weakly (holding it strongly would keep a graph never
+    backpropagated alive)."""
+    nodes = {t.grad_fn for t in outputs}
+    if len(nodes) != 1:
+        return None
+    node = nodes.pop()
+    if not isinstance(node, torch._C._FunctionBase):  # None (a leaf), or a C++ node
+        return None
+    return weakref.ref(node)
 
-    def units(self) -> tuple[DeviceCalls | None, Settings, UsedMap, Waits, ReportChecks]:
-        return self.calls, self.settings, self.used, self.waits, self.checks
 
-    def phases(self) -> tuple[Timelines, BucketSet, Launcher, Finisher, shadow.Joined]:
-        return self.timelines, self.buckets, self.launcher, self.finisher, self.joined
+def _unreached(params: Sequence[torch.Tensor], reached: set[int]) -> list[int]:
+    return [i for i, p in enumerate(params) if id(p) not in reached]
+
+
+def _on_the_device(param: torch.Tensor, config: ReducerConfig, calls: DeviceCalls | None,
+                   ) -> tuple[DeviceCalls | None, EventClock | None]:
+    """On a GPU: its streams (a bucket is filled and launched on the stream backward runs on),
+    and the clock that times the timeline with CUDA events, resolved once they have passed."""
+    if calls is None and param.is_cuda:
+        calls = CudaCalls()
+    if isinstance(config.clock, EventClock):
+        return calls, config.clock
+    return calls, EventClock(calls=calls) if calls is not None else None
 
 
 def _on_backward_start(reducer: weakref.ref[Reducer], it: Iteration, _grads: object) -> None:
@@ -531,7 +618,7 @@ def _on_backward_start(reducer: weakref.ref[Reducer], it: Iteration, _grads: obj
     if live is None or live._it is not it:
         return
     if it.search is not None and live.phase is Phase.PREPARED:
-        it.unused, it.answered = answer_in_backward(live._accumulators, live.params, it.search, None), True
+        it.unused, it.answered = live._answer_in_backward(it.search, None), True
     if not it.end_queued and live.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED):
         live._queue_end_of_backward(it)
 

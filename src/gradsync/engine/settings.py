@@ -4,7 +4,7 @@ The frozen `ReducerConfig` says what the user asked for; `Settings` adds what fo
 and from the calls that change between iterations (`Reducer.configure`, `register_comm_hook`,
 `set_static_graph`): the clock in use, whether reports are read back deferred, the hook, the
 static graph. The Reducer owns it and changes it only between iterations; the phases
-(`launch.Launcher`, `finish.Finisher`) are handed it at construction and read it, never the
+(`reductions.Reductions`, `prepare`) are handed it at construction and read it, never the
 Reducer.
 """
 
@@ -43,18 +43,20 @@ class Settings:
     comm_hook: tuple[object, CommHook] | None = None
     static: StaticGraph | None = None
     find_unused: bool = False
-    scale_at_launch: bool = False
-    """Buckets are cast to another dtype to be reduced (mixed precision)."""
-    divides_sums: bool = False
+    casts_to_reduce_dtype: bool = False
+    """Buckets are cast to `config.reduce_dtype` to be reduced (mixed precision)."""
+    divides_after_sum: bool = False
     """Mixed precision: gradients go in undivided, each bucket's sum is divided once landed."""
+    device_timed: bool = False
+    """The timeline is timed by the device's clock (`clock is device_clock`)."""
 
     @classmethod
     def of(cls, config: ReducerConfig, group: dist.ProcessGroup, device_clock: EventClock | None,
            param_dtype: object, n_params: int) -> Settings:
         settings = cls(config, device_clock, find_unused=config.find_unused_parameters,
                        static=StaticGraph(n_params) if config.static_graph else None,
-                       scale_at_launch=config.casts_to_reduce(param_dtype),  # type: ignore[arg-type]
-                       divides_sums=config.bucket_dtype is not None or config.reduce_dtype is not None)
+                       casts_to_reduce_dtype=config.casts_to_reduce(param_dtype),  # type: ignore[arg-type]
+                       divides_after_sum=config.bucket_dtype is not None or config.reduce_dtype is not None)
         settings.reconfigure(config, group)
         return settings
 
@@ -62,6 +64,7 @@ class Settings:
         """Take a changed config (`RUNTIME_FIELDS`): the clock and the read-back follow it."""
         self.config = config
         self.clock = recording_clock(config, self.device_clock)
+        self.device_timed = self.clock is self.device_clock
         self.defer = not host_runs_collectives(group) if config.read_back == "auto" else config.read_back == "deferred"
 
     def make_static(self, n_params: int) -> ReducerConfig:
@@ -69,10 +72,6 @@ class Settings:
         self.config = dataclasses.replace(self.config, static_graph=True, find_unused_parameters=False)
         self.static, self.find_unused = StaticGraph(n_params), False
         return self.config
-
-    @property
-    def device_timed(self) -> bool:
-        return self.clock is self.device_clock
 
 
 def changed_config(config: ReducerConfig, changes: dict[str, object]) -> ReducerConfig:

@@ -12,39 +12,16 @@ backward started. The Reducer asks the engine when it can give the same answer a
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 __all__ = [
-    "Accumulators", "current_accumulators", "find_tensors", "reachable_from", "reachable_parameters",
+    "Accumulators", "current_accumulators", "reachable_from", "reachable_parameters",
     "route_through_sink",
 ]
-
-
-def find_tensors(obj: object) -> list[torch.Tensor]:
-    """All tensors inside an arbitrary forward output: tuples, lists, dicts, dataclasses."""
-    found: list[torch.Tensor] = []
-    stack = [obj]
-    seen: set[int] = set()
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.append(item)
-        elif id(item) in seen or isinstance(item, (str, bytes)):
-            continue
-        elif isinstance(item, Mapping):
-            seen.add(id(item))
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple, set, frozenset)):
-            seen.add(id(item))
-            stack.extend(item)
-        elif hasattr(item, "__dataclass_fields__"):
-            seen.add(id(item))
-            stack.extend(getattr(item, f) for f in item.__dataclass_fields__)
-    return found
 
 
 def reachable_parameters(outputs: Iterable[torch.Tensor]) -> set[int]:
@@ -118,7 +95,8 @@ class Accumulators:
 def current_accumulators(params: Sequence[torch.Tensor]) -> list[Any]:
     """Each parameter's `AccumulateGrad` node now (made if it has none; None for a parameter
     that does not require grad), all in one look-up: the edges of one autograd node taking them
-    all (`get_gradient_edge` makes a view per parameter, about 4 µs each)."""
+    all (`get_gradient_edge` makes a view per parameter: slower,
+    docs/benchmarks/design-figures.md#accumulator-look-up)."""
     with torch.enable_grad():  # inside backward it is off, and the node would not be made
         node = _Edges.apply(*params).grad_fn
     if node is None:  # none of them requires grad

@@ -1,26 +1,63 @@
-"""How the Reducer waits at the end of backward: every wait through `collectives.wait` (one
-policy: the configured timeout, failures told from timeouts by the clock), with the error
-naming the iteration, the bucket and its parameters, and, with a stall monitor, a report of
-what is pending and which ranks have not arrived, logged once `warn_after` has passed."""
+"""Every wait gradsync makes goes through `wait` (one policy: a timeout, failures told from
+timeouts by the clock). The Reducer's, at the end of backward, go through `Waits`: the error
+names the iteration, the bucket and its parameters, and, with a stall monitor, reports what is
+pending and which ranks have not arrived, logged once `warn_after` has passed."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Protocol
 
 import torch.distributed as dist
 
 from .bucket import Bucket
-from .collectives import DEFAULT_TIMEOUT, wait
+from .config import DEFAULT_TIMEOUT
 from .device import host_runs_collectives
 from .errors import ReductionTimeoutError, format_names
 
-__all__ = ["StallMonitor", "Waits"]
+__all__ = ["StallMonitor", "Waits", "wait", "wait_error"]
 
 _log = logging.getLogger("gradsync")
+
+
+def wait(
+    work: dist.Work, what: str | Callable[[], str], group: dist.ProcessGroup, timeout: timedelta,
+    host: bool | None = None,
+) -> None:
+    """Every wait gradsync makes: `work.wait(timeout)`, a failure turned into an error that
+    says which collective (`what`, or what it returns: built only on failure) and whether it
+    timed out, judged by the clock rather than by the message's wording.
+
+    On a device backend (NCCL) the wait is stream-side and carries no timeout: a timed one
+    would hold the host until the GPU is done, and a timed-out one aborts the communicator;
+    the group's own timeout and watchdog bound it instead. `host`: `host_runs_collectives(group)`,
+    when the caller knows it (asking the group costs microseconds, once a bucket a step)."""
+    start = time.monotonic()
+    try:
+        if host_runs_collectives(group) if host is None else host:
+            work.wait(timeout)
+        else:
+            work.wait()
+    except RuntimeError as error:
+        timed_out = time.monotonic() - start >= 0.95 * timeout.total_seconds()
+        described = what() if callable(what) else what
+        raise wait_error(error, described, group, timeout, timed_out) from error
+
+
+def wait_error(
+    error: Exception, what: str, group: dist.ProcessGroup, timeout: timedelta, timed_out: bool
+) -> ReductionTimeoutError:
+    """The error for a collective that failed or timed out (built only when one did)."""
+    outcome = f"did not complete within {timeout}" if timed_out else "failed"
+    return ReductionTimeoutError(
+        f"gradsync: rank {group.rank()}/{group.size()}: {what} {outcome}: {error}\n"
+        "Another rank probably failed, stalled, or is not running the same code path (e.g. "
+        "skipped a backward); check its log. If the step is legitimately slow, raise the "
+        "timeout."
+    )
 
 
 class StallMonitor(Protocol):
@@ -47,13 +84,17 @@ class Waits:
         self._stall_report = ""
         self._started = 0.0
         self._buckets: list[Bucket] = []
+        self._done_within: Callable[[Bucket, float], bool] = _never_asked
 
-    def begin(self, iteration: int, timeout: timedelta, buckets: list[Bucket], watch: bool = True) -> None:
-        """Backward has ended: the waits for `buckets` start now (watched for stalls)."""
+    def begin(self, iteration: int, timeout: timedelta, buckets: list[Bucket],
+              done_within: Callable[[Bucket, float], bool] | None = None) -> None:
+        """Backward has ended: the waits for `buckets` start now, watched for stalls by asking
+        `done_within(bucket, seconds)` (`Reductions.done_within`; None: not watched)."""
         self.iteration, self.timeout, self._buckets = iteration, timeout, buckets
+        self._done_within = done_within or _never_asked
         self._started = time.monotonic()
         self._stall_report = ""
-        if self.monitor is not None and watch:
+        if self.monitor is not None and done_within is not None:
             self._watch_for_stall()
 
     def __call__(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
@@ -82,7 +123,7 @@ class Waits:
         assert self.monitor is not None
         deadline = time.monotonic() + self.monitor.warn_after.total_seconds()
         for bucket in self._buckets:
-            if not bucket.done_within(max(deadline - time.monotonic(), 0.0)):
+            if not self._done_within(bucket, max(deadline - time.monotonic(), 0.0)):
                 self._stall_report = self._pending()
                 _log.warning(self._stall_report)
                 return
@@ -90,8 +131,11 @@ class Waits:
     def _pending(self, outstanding: list[Bucket] | None = None) -> str:
         assert self.monitor is not None
         if outstanding is None:
-            outstanding = [b for b in self._buckets if not b.done_within(0.0)]
+            outstanding = [b for b in self._buckets if not self._done_within(b, 0.0)]
         pending = [(b.index, [self.names[i] for i in b.param_indices]) for b in outstanding]
         waited = timedelta(seconds=time.monotonic() - self._started)
         return self.monitor.report(self.iteration, waited, pending)
 
+
+def _never_asked(_bucket: Bucket, _seconds: float) -> bool:
+    raise AssertionError("no iteration's buckets are being watched")

@@ -63,9 +63,14 @@ def _draw_rank(ax, rank: int, tl: IterationTimeline) -> None:
     ax.vlines(ready, base, base + 0.9, color="tab:blue", linewidth=0.8,
               label="gradient ready" if label else None)
     for b in stats.buckets:  # alternate heights so neighbouring buckets stay apart
-        ax.broken_barh([(b.launch_ms, max(b.comm_ms, 1e-3))], (base + 1.1 + 0.45 * (b.index % 2), 0.45),
-                       facecolors="tab:orange", edgecolors="black", linewidth=0.5,
-                       label="bucket all-reduce" if label and b.index == 0 else None)
+        ax.broken_barh(
+            [(b.launch_ms, max(b.comm_ms, 1e-3))],
+            (base + 1.1 + 0.45 * (b.index % 2), 0.45),
+            facecolors="tab:orange",
+            edgecolors="black",
+            linewidth=0.5,
+            label="bucket all-reduce" if label and b.index == 0 else None,
+        )
     if stats.exposed_comm_ms > 0:
         ax.broken_barh([(stats.backward_ms, stats.exposed_comm_ms)], (base + 2.05, 0.3),
                        facecolors="tab:red", label="exposed communication" if label else None)

@@ -113,7 +113,9 @@ class Stats:
     @classmethod
     def from_timelines(cls, iterations: int, timelines: Sequence[IterationTimeline]) -> Stats:
         done = [t for t in timelines if t.finish_ns]
-        return cls(iterations=iterations, window=tuple(IterationStats.from_timeline(t) for t in done))
+        return cls(
+            iterations=iterations, window=tuple(IterationStats.from_timeline(t) for t in done)
+        )
 
     def __str__(self) -> str:
         last = self.last

@@ -52,7 +52,9 @@ class StallWatchdog:
             out[r] = int(self.store.get(key)) if self.store.check([key]) else None
         return out
 
-    def report(self, iteration: int, waited: timedelta, pending: Sequence[tuple[int, Sequence[str]]]) -> str:
+    def report(
+        self, iteration: int, waited: timedelta, pending: Sequence[tuple[int, Sequence[str]]]
+    ) -> str:
         lines = [
             f"gradsync: rank {self.rank} has waited {waited.total_seconds():.1f}s at the end of "
             f"backward in iteration {iteration}; pending buckets:"

@@ -17,12 +17,13 @@
 3. The best-scoring candidate, if any beat the current layout, is confirmed on fresh
    iterations, alone against the current layout, for `confirm_rounds` rounds (three times the
    screening's: a median of four ratios let one run of bad rounds revert a layout that every
-   fixed cap near it beat torch's DDP with by 11-15 %); it is installed
-   only if it is faster there by more than `margin` and the noise of its ratio
-   (`confirm_layout`). The best of several noisy scores is flattered by its own luck (on the
-   emulated 2 Gbit/s hosts a GPT's 22-bucket plan scored 198 against 226 ms, then ran 0.97
-   of the default in the steps that followed), so the keep-or-revert decision is never made
-   on the samples that chose the winner.
+   fixed cap near it beat torch's DDP with; figures in
+   docs/benchmarks/design-figures.md#confirmation-rounds); it is installed only if it is
+   faster there by more than `margin` and the noise of its ratio (`confirm_layout`). The best
+   of several noisy scores is flattered by its own luck (a winner's lead in its own rounds
+   shrank in the steps that followed; figures in
+   docs/benchmarks/design-figures.md#trial-winners-curse), so the keep-or-revert decision is
+   never made on the samples that chose the winner.
 4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
@@ -152,7 +153,9 @@ class _Trial:
     running: int | None = None  # reducer iteration the last scheduled slot started
 
     @classmethod
-    def of(cls, layouts: dict[str, list[list[int]]], rounds: int, per_slot: int, **kw: object) -> _Trial:
+    def of(
+        cls, layouts: dict[str, list[list[int]]], rounds: int, per_slot: int, **kw: object
+    ) -> _Trial:
         """Every layout `per_slot` iterations a round, the order rotated each round (no
         layout always first)."""
         names, schedule = list(layouts), []
@@ -181,7 +184,12 @@ class AutoBuckets:
     ) -> None:
         self.warmup, self.window, self.rounds, self.per_slot = warmup, window, rounds, per_slot
         self.confirm_rounds = confirm_rounds
-        self.margin, self.drift, self.drift_every, self.max_replans = margin, drift, drift_every, max_replans
+        self.margin, self.drift, self.drift_every, self.max_replans = (
+            margin,
+            drift,
+            drift_every,
+            max_replans,
+        )
         self.saturated: bool | None = None
         """Force the saturated-host model on or off; None: detect it (every rank must agree)."""
         self.cost: CostModel | None = None
@@ -197,7 +205,8 @@ class AutoBuckets:
         """Iterations by which the first plan is decided, at most: the warm-up, the screening
         (the current layout, the plan, the ladder and one bucket each round), the confirmation
         (two layouts a round), the decision."""
-        layouts = 3 + len(LADDER) + 1 + len(LADDER)  # current, plan, ladder, one; the plans' even twins
+        # current, plan, ladder, one; the plans' even twins
+        layouts = 3 + len(LADDER) + 1 + len(LADDER)
         return self.warmup + (self.rounds * layouts + self.confirm_rounds * 2) * self.per_slot + 1
 
     def maybe_plan(self, reducer: Reducer) -> None:
@@ -218,16 +227,26 @@ class AutoBuckets:
         ready = self._agreed_ready_ms(reducer)
         nbytes = [p.numel() * p.element_size() for p in reducer.params]
         contention = self._contention(reducer, sum(nbytes))
-        saturated = self.saturated if self.saturated is not None else bool(contention and contention.saturated)
+        saturated = (
+            self.saturated
+            if self.saturated is not None
+            else bool(contention and contention.saturated)
+        )
         cost = self._cost_model(reducer, sum(nbytes), saturated)
         current = reducer.bucket_indices
         one = _plan(reducer, ready, nbytes, CostModel(1e9, 0.0))  # one per dtype/device
         planned = one if saturated else _plan(reducer, ready, nbytes, cost)
         before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
         self.plan = BucketPlan(
-            planned, cost, predict_finish_ms(ready, nbytes, planned, cost, saturated),
-            predict_finish_ms(ready, nbytes, current, cost, saturated), reducer.iteration, current, before,
-            replans=self.plan.replans + 1 if self.plan is not None else 0, saturated=saturated,
+            planned,
+            cost,
+            predict_finish_ms(ready, nbytes, planned, cost, saturated),
+            predict_finish_ms(ready, nbytes, current, cost, saturated),
+            reducer.iteration,
+            current,
+            before,
+            replans=self.plan.replans + 1 if self.plan is not None else 0,
+            saturated=saturated,
             contention=contention.share if contention is not None else None,
         )
         layouts = _trial_layouts(reducer, ready, nbytes, cost, saturated, current, planned, one)
@@ -243,8 +262,11 @@ class AutoBuckets:
         if self.cost is not None:
             return self.cost
         if saturated:
-            return probe_under_load(reducer.process_group, buffer.dtype, sizes, timeout=timeout).cost
-        if buffer.device.type == "cpu":  # collectives overlap, but need the busy cores: priced queued during compute
+            return probe_under_load(
+                reducer.process_group, buffer.dtype, sizes, timeout=timeout
+            ).cost
+        # collectives overlap, but need the busy cores: priced queued during compute
+        if buffer.device.type == "cpu":
             return probe_during_compute(reducer.process_group, buffer.dtype, sizes, timeout=timeout)
         # on a GPU they run on the device's own engines
         return probe_cost_model(reducer.process_group, buffer.dtype, buffer.device, sizes)
@@ -274,16 +296,26 @@ class AutoBuckets:
         """Screening done: confirm its winner on fresh rounds, or decide if none beat the
         current layout."""
         slots = _agreed_slots(reducer, trial)
-        scores = {name: _median_or_inf(_round_ratios(slots, name)) for name in trial.layouts if name != CURRENT}
+        scores = {
+            name: _median_or_inf(_round_ratios(slots, name))
+            for name in trial.layouts
+            if name != CURRENT
+        }
         winner = screen_layouts(scores, self.margin)
         assert self.plan is not None
-        self.plan = dataclasses.replace(self.plan, trial_ms=_medians(slots, list(trial.layouts)),
-                                        trial_ratio=scores, winner=None if winner == CURRENT else winner)
+        self.plan = dataclasses.replace(
+            self.plan,
+            trial_ms=_medians(slots, list(trial.layouts)),
+            trial_ratio=scores,
+            winner=None if winner == CURRENT else winner,
+        )
         if winner == CURRENT:
             self._decide(reducer, dataclasses.replace(trial, screened=slots))
             return
         layouts = {CURRENT: trial.layouts[CURRENT], winner: trial.layouts[winner]}
-        self._trial = _Trial.of(layouts, self.confirm_rounds, self.per_slot, confirming=winner, screened=slots)
+        self._trial = _Trial.of(
+            layouts, self.confirm_rounds, self.per_slot, confirming=winner, screened=slots
+        )
         log.info("rank %d: confirming the %s layout (x%.3f in the trial) against the current one",
                  reducer.rank, winner, scores[winner])
         self._advance_trial(reducer, self._trial)
@@ -320,7 +352,11 @@ class AutoBuckets:
         ratio = now / self._baseline_ms if self._baseline_ms > 0 else 1.0
         assert self.plan is not None
         if abs(ratio - 1) > self.drift and self.plan.replans < self.max_replans:
-            log.info("rank %d: step time drifted x%.2f since the plan; planning again", reducer.rank, ratio)
+            log.info(
+                "rank %d: step time drifted x%.2f since the plan; planning again",
+                reducer.rank,
+                ratio,
+            )
             self._start(reducer)
 
     def _contention(self, reducer: Reducer, nbytes: int) -> Contention | None:
@@ -358,26 +394,34 @@ def _trial_layouts(
     others = [(PLANNED, planned)]
     if not saturated:
         # A latency ladder: a short probe of a matrix-product loop is not backward, and on
-        # the emulated 2 Gbit/s hosts the plan at four times the probed latency beat the plan
-        # itself in every trial (153 against 169 ms, 113 against 118), and a GPT ran fastest
-        # with 2 MiB buckets, 8 where the plan had 22.
-        others += [(name, _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * k, cost.beta_ms_per_byte)))
-                   for name, k in LADDER]
+        # the emulated hosts coarser plans than the probed cost's ran faster
+        # (figures: docs/benchmarks/design-figures.md#latency-ladder).
+        others += [
+            (
+                name,
+                _plan(reducer, ready, nbytes, CostModel(cost.alpha_ms * k, cost.beta_ms_per_byte)),
+            )
+            for name, k in LADDER
+        ]
         # Each plan's even twin: the ready times it is drawn from are measured before any
         # bucket overlaps, and backward stretches once they do, so its boundaries (small
         # buckets first, a large one last, whose all-reduce is then the tail after
-        # backward) fit a profile that no longer holds. In a trial on the emulated 2 Gbit/s
-        # hosts the residual MLP's coarse plan ran 122 ms and its even twin 105 (the GPT's
-        # coarse plan 168 and its twin 165).
-        others += [(EVEN + name, _even(reducer, ready, nbytes, len(layout))) for name, layout in others
-                   if len(layout) > 1] + [(ONE, one)]
+        # backward) fit a profile that no longer holds. In trials on the emulated hosts the
+        # twins ran faster (figures: docs/benchmarks/design-figures.md#even-twins).
+        others += [
+            (EVEN + name, _even(reducer, ready, nbytes, len(layout)))
+            for name, layout in others
+            if len(layout) > 1
+        ] + [(ONE, one)]
     for name, layout in others:
         if all(layout != other for other in layouts.values()):
             layouts[name] = layout
     return layouts
 
 
-def _plan(reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostModel) -> list[list[int]]:
+def _plan(
+    reducer: Reducer, ready: list[float], nbytes: list[int], cost: CostModel
+) -> list[list[int]]:
     return _in_ready_order(reducer, ready, nbytes, lambda r, b, k: plan_buckets(r, b, cost, k))
 
 
@@ -385,14 +429,18 @@ def _even(reducer: Reducer, ready: list[float], nbytes: list[int], count: int) -
     return _in_ready_order(reducer, ready, nbytes, lambda _r, b, k: even_split(b, count, k))
 
 
-def _in_ready_order(reducer: Reducer, ready: list[float], nbytes: list[int], split: Callable) -> list[list[int]]:
+def _in_ready_order(
+    reducer: Reducer, ready: list[float], nbytes: list[int], split: Callable
+) -> list[list[int]]:
     """`split(ready, nbytes, groups)`, all in ready order, as parameter indices."""
     order = sorted(range(len(ready)), key=lambda i: (ready[i], i))
     keys = [
         ("sparse", i) if reducer.expect_sparse_gradient[i] else (p.dtype, p.device)
         for i, p in enumerate(reducer.params)
     ]
-    positions = split([ready[i] for i in order], [nbytes[i] for i in order], [keys[i] for i in order])
+    positions = split(
+        [ready[i] for i in order], [nbytes[i] for i in order], [keys[i] for i in order]
+    )
     return [[order[p] for p in bucket] for bucket in positions]
 
 
@@ -405,7 +453,9 @@ def screen_layouts(scores: dict[str, float], margin: float) -> str:
     return best if scores[best] < 1 - margin else CURRENT
 
 
-def confirm_layout(fresh: list[float], every: list[list[float]], margin: float) -> tuple[bool, float]:
+def confirm_layout(
+    fresh: list[float], every: list[list[float]], margin: float
+) -> tuple[bool, float]:
     """Keep the winner if its median ratio on the fresh rounds is below 1 by more than
     `margin` and by more than that median's noise. Also returns that bar.
 
@@ -415,8 +465,8 @@ def confirm_layout(fresh: list[float], every: list[list[float]], margin: float) 
     candidate's own median, so the winner's lucky screening does not count as scatter.
 
     Without the noise term a trial of a few steps on a noisy host keeps layouts that only drew
-    lucky samples (measured: 3 buckets kept at 24.4 against 25.5 ms, IQRs of 6 ms, and the
-    whole step 12 % slower than before)."""
+    lucky samples, and the step gets slower
+    (figures: docs/benchmarks/design-figures.md#confirmation-noise-term)."""
     scatter = [r - statistics.median(rs) for rs in every if rs for r in rs]
     needed = max(margin, _median_error(scatter, len(fresh)))
     return _median_or_inf(fresh) < 1 - needed, needed
@@ -448,7 +498,10 @@ def _round_ratios(slots: dict[tuple[int, str], float], name: str) -> list[float]
 
 
 def _medians(slots: dict[tuple[int, str], float], names: list[str]) -> dict[str, float]:
-    return {n: statistics.median([v for (_, m), v in slots.items() if m == n and v > 0] or [0.0]) for n in names}
+    return {
+        n: statistics.median([v for (_, m), v in slots.items() if m == n and v > 0] or [0.0])
+        for n in names
+    }
 
 
 def _median_or_inf(values: list[float]) -> float:
@@ -468,4 +521,6 @@ def _agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
     """Each value's maximum over the ranks: the same inputs, hence the same decisions, everywhere."""
     agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
     what = "agreement on measured timings (bucket_cap_mb='auto')"
-    return all_reduce(reducer.process_group, agreed, dist.ReduceOp.MAX, what, reducer.config.timeout).tolist()
+    return all_reduce(
+        reducer.process_group, agreed, dist.ReduceOp.MAX, what, reducer.config.timeout
+    ).tolist()

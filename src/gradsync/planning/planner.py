@@ -32,9 +32,21 @@ import torch.distributed as dist
 from ..engine.collectives import DEFAULT_TIMEOUT, all_reduce, wait
 
 __all__ = [
-    "CostModel", "fit_cost_model", "plan_buckets", "even_split", "predict_finish_ms", "probe_cost_model",
-    "LoadProbe", "probe_under_load", "probe_sizes", "Contention", "measure_contention", "probe_during_compute",
-    "CommCpu", "measure_comm_cpu", "busy_cpu_seconds",
+    "CostModel",
+    "fit_cost_model",
+    "plan_buckets",
+    "even_split",
+    "predict_finish_ms",
+    "probe_cost_model",
+    "LoadProbe",
+    "probe_under_load",
+    "probe_sizes",
+    "Contention",
+    "measure_contention",
+    "probe_during_compute",
+    "CommCpu",
+    "measure_comm_cpu",
+    "busy_cpu_seconds",
 ]
 
 
@@ -62,7 +74,9 @@ def fit_cost_model(sizes: Sequence[float], times_ms: Sequence[float]) -> CostMod
     buckets pay off.
     """
     if len(sizes) != len(times_ms) or len(sizes) < 2:
-        raise ValueError(f"need at least two (size, time) pairs, got {len(sizes)} and {len(times_ms)}")
+        raise ValueError(
+            f"need at least two (size, time) pairs, got {len(sizes)} and {len(times_ms)}"
+        )
     if len(set(sizes)) < 2:
         raise ValueError("probe sizes must differ")
     w = [1.0 / max(t, 1e-9) ** 2 for t in times_ms]
@@ -129,9 +143,8 @@ def probe_during_compute(
 
     On a CPU host (gloo) this is what a plan must be priced with when collectives can overlap:
     each one needs gloo's threads and the kernel's network stack to be scheduled between
-    compute, and pays for it. Measured on two emulated hosts at 2 Gbit/s: a 256 KiB all-reduce
-    takes 1.7 ms idle and 5.2 ms in a queue during compute; 4 MiB, 18 and 23 ms. An idle probe
-    priced a 31-bucket plan for a 16 MiB GPT at 141 ms from the end of forward; it took 171.
+    compute, and pays for it: an idle probe underprices both the all-reduces and a plan built
+    on them (figures: docs/benchmarks/design-figures.md#collectives-queued-during-compute).
     A rank that does not take part makes the others raise after `timeout`."""
     element = torch.empty(0, dtype=dtype).element_size()
     a = torch.randn(96, 96)
@@ -145,7 +158,8 @@ def probe_during_compute(
         for _ in range(repeats):
             start = time.perf_counter()
             works = [group.allreduce([t]) for t in queue]
-            while not works[-1].is_completed() and time.perf_counter() - start < timeout.total_seconds():
+            while (not works[-1].is_completed()
+                   and time.perf_counter() - start < timeout.total_seconds()):
                 torch.mm(a, a)
             for work in works:  # completed (in order); wait() surfaces errors and timeouts
                 wait(work, "cost-model probe during compute", group, timeout)
@@ -172,8 +186,13 @@ class LoadProbe:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        fields = {"ranks": self.ranks, "alpha_ms": self.cost.alpha_ms, "beta_ms_per_byte": self.cost.beta_ms_per_byte,
-                  "compute_ms": self.compute_ms, "step_ms": self.step_ms}
+        fields = {
+            "ranks": self.ranks,
+            "alpha_ms": self.cost.alpha_ms,
+            "beta_ms_per_byte": self.cost.beta_ms_per_byte,
+            "compute_ms": self.compute_ms,
+            "step_ms": self.step_ms,
+        }
         path.write_text(json.dumps(fields, indent=1))
         return path
 
@@ -181,10 +200,16 @@ class LoadProbe:
     def load(cls, path: str | Path) -> LoadProbe:
         try:
             data = json.loads(Path(path).read_text())
-            return cls(int(data["ranks"]), CostModel(float(data["alpha_ms"]), float(data["beta_ms_per_byte"])),
-                       float(data["compute_ms"]), float(data["step_ms"]))
+            return cls(
+                int(data["ranks"]),
+                CostModel(float(data["alpha_ms"]), float(data["beta_ms_per_byte"])),
+                float(data["compute_ms"]),
+                float(data["step_ms"]),
+            )
         except (KeyError, TypeError, ValueError) as error:
-            raise ValueError(f"{path}: not a gradsync load probe (LoadProbe.save): {error}") from error
+            raise ValueError(
+                f"{path}: not a gradsync load probe (LoadProbe.save): {error}"
+            ) from error
 
 
 def probe_under_load(
@@ -203,8 +228,9 @@ def probe_under_load(
     the step, as a last bucket would; a size's cost is the step time beyond the same step
     without those launches, per launch. On a host whose cores all run a rank's compute, gloo's
     threads take their time from that compute and wait for the scheduler, so a collective
-    costs several times what the idle probe says (about 1 ms against 0.3 ms for a small one at
-    2 ranks on 2 cores); where cores are free it comes out near zero, as overlap hides it.
+    costs several times what the idle probe says (figures:
+    docs/benchmarks/design-figures.md#collectives-under-load); where cores are free it comes out
+    near zero, as overlap hides it.
     Steps without launches also give how a synchronised step stretches beyond its compute
     when ranks outnumber cores. Every rank gets the same result (the slowest rank's medians);
     a rank that does not take part makes the others raise after `timeout`."""
@@ -212,11 +238,15 @@ def probe_under_load(
     products = max(int(busy_ms * 1e-3 / _seconds_per_product(a, group, timeout)), launches + 1)
     element = torch.empty(0, dtype=dtype).element_size()
     step = _loaded_step(group, a, products, torch.zeros(1, dtype=dtype), timeout)
-    messages = [[torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes]
+    messages = [
+        [torch.zeros(max(n // element, 1), dtype=dtype) for _ in range(launches)] for n in sizes
+    ]
     base, loaded = _time_loaded_steps(step, messages, repeats)
     floor = statistics.median(t for t, _ in base)
     marginal = [(statistics.median(t) - floor) / launches for t in loaded]
-    agreed = torch.tensor([floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64)
+    agreed = torch.tensor(
+        [floor, statistics.median(c for _, c in base), *marginal], dtype=torch.float64
+    )
     all_reduce(group, agreed, dist.ReduceOp.MAX, "loaded cost-model agreement", timeout)
     step_ms, compute_ms, *costs = agreed.tolist()
     # Small collectives can cost next to nothing; a floor keeps the relative fit well posed.
@@ -284,7 +314,9 @@ class Contention:
         shorter = min(self.compute_ms, self.allreduce_ms)
         if shorter <= 0:
             return 0.0
-        return min(max((self.together_ms - max(self.compute_ms, self.allreduce_ms)) / shorter, 0.0), 1.0)
+        return min(
+            max((self.together_ms - max(self.compute_ms, self.allreduce_ms)) / shorter, 0.0), 1.0
+        )
 
     @property
     def saturated(self) -> bool:
@@ -361,7 +393,10 @@ def _clock_ticks() -> int:
 
 
 def measure_comm_cpu(
-    group: dist.ProcessGroup, nbytes: int, seconds: float = 1.0, timeout: timedelta = DEFAULT_TIMEOUT
+    group: dist.ProcessGroup,
+    nbytes: int,
+    seconds: float = 1.0,
+    timeout: timedelta = DEFAULT_TIMEOUT,
 ) -> CommCpu | None:
     """The machine's CPU time per all-reduce of `nbytes`, from `/proc/stat` around back-to-back
     all-reduces for about `seconds`, less what the machine spends over as long idle (a sleep).
@@ -373,7 +408,10 @@ def measure_comm_cpu(
     start = time.perf_counter()
     wait(group.allreduce([t]), "CPU cost probe", group, timeout)
     once = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    count = max(3, int(seconds / all_reduce(group, once, dist.ReduceOp.MAX, "CPU cost probe", timeout).item()))
+    count = max(
+        3,
+        int(seconds / all_reduce(group, once, dist.ReduceOp.MAX, "CPU cost probe", timeout).item()),
+    )
     busy0, start = busy_cpu_seconds(), time.perf_counter()
     for _ in range(count):
         wait(group.allreduce([t]), "CPU cost probe", group, timeout)
@@ -409,7 +447,11 @@ def _seconds_per_product(a: torch.Tensor, group: dist.ProcessGroup, timeout: tim
     start = time.perf_counter()
     _busy(a, 50)
     agreed = torch.tensor([(time.perf_counter() - start) / 50], dtype=torch.float64)
-    return float(all_reduce(group, agreed, dist.ReduceOp.MIN, "loaded cost-model calibration", timeout).item())
+    return float(
+        all_reduce(
+            group, agreed, dist.ReduceOp.MIN, "loaded cost-model calibration", timeout
+        ).item()
+    )
 
 
 def predict_finish_ms(
@@ -425,7 +467,9 @@ def predict_finish_ms(
     overlaps (a saturated CPU host, `cost` measured under load): every all-reduce adds to the
     time backward takes."""
     if serial:
-        return max(ready_ms, default=0.0) + sum(cost.time_ms(sum(nbytes[i] for i in b)) for b in buckets)
+        return max(ready_ms, default=0.0) + sum(
+            cost.time_ms(sum(nbytes[i] for i in b)) for b in buckets
+        )
     finish = 0.0
     for bucket in buckets:
         ready = max(ready_ms[i] for i in bucket)
@@ -448,7 +492,9 @@ def plan_buckets(
     if n == 0:
         raise ValueError("plan_buckets: no gradients to plan")
     if len(nbytes) != n or (groups is not None and len(groups) != n):
-        raise ValueError("plan_buckets: ready_ms, nbytes and groups must have one entry per gradient")
+        raise ValueError(
+            "plan_buckets: ready_ms, nbytes and groups must have one entry per gradient"
+        )
     if any(b < a for a, b in zip(ready_ms, ready_ms[1:])):
         raise ValueError("plan_buckets: ready_ms must be in ready order (non-decreasing)")
     keys = list(groups) if groups is not None else [0] * n
@@ -460,7 +506,9 @@ def plan_buckets(
     return [[i for a in atoms[lo:hi] for i in a] for lo, hi in zip(cuts, cuts[1:])]
 
 
-def even_split(nbytes: Sequence[int], n: int, groups: Sequence[Hashable] | None = None) -> list[list[int]]:
+def even_split(
+    nbytes: Sequence[int], n: int, groups: Sequence[Hashable] | None = None
+) -> list[list[int]]:
     """Positions 0..len(nbytes)-1 (ready order) in `n` consecutive buckets of about equal bytes.
 
     Each position goes to the bucket its bytes' midpoint falls in, so a gradient larger than a
@@ -500,7 +548,9 @@ def _atoms(nbytes: Sequence[int], keys: Sequence[Hashable], max_atoms: int) -> l
     return atoms
 
 
-def _best_cuts(ready: list[float], size: list[int], key: list[Hashable], cost: CostModel) -> list[int]:
+def _best_cuts(
+    ready: list[float], size: list[int], key: list[Hashable], cost: CostModel
+) -> list[int]:
     n = len(ready)
     prefix = [0]
     for s in size:

@@ -37,7 +37,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="intra-op threads per rank, as in training (default: torch's default)")
     args = p.parse_args(argv)
     if args.gradient_mib <= 0 or (args.threads is not None and args.threads < 1):
-        p.error(f"--gradient-mib must be > 0 and --threads >= 1, got {args.gradient_mib} and {args.threads}")
+        p.error(
+            "--gradient-mib must be > 0 and --threads >= 1, "
+            f"got {args.gradient_mib} and {args.threads}"
+        )
     return args
 
 
@@ -56,17 +59,23 @@ def main(argv: list[str] | None = None) -> None:
         if dist.get_rank() == 0:
             out = Path(args.out)
             network = Network.from_cost(idle, n) if n > 1 else None
-            idle_fields = {"ranks": n, "alpha_ms": idle.alpha_ms, "beta_ms_per_byte": idle.beta_ms_per_byte}
+            idle_fields = {"ranks": n, "alpha_ms": idle.alpha_ms,
+                           "beta_ms_per_byte": idle.beta_ms_per_byte}
             if network is not None:
-                idle_fields |= {"ring_bandwidth_gbps": network.bandwidth_gbps, "ring_latency_us": network.latency_us}
+                idle_fields |= {"ring_bandwidth_gbps": network.bandwidth_gbps,
+                                "ring_latency_us": network.latency_us}
             out.mkdir(parents=True, exist_ok=True)
             (out / f"idle-{n}.json").write_text(json.dumps(idle_fields, indent=1))
             load.save(out / f"load-{n}.json")
             print(f"{n} ranks, {torch.get_num_threads()} threads each")
-            print(f"idle all-reduce: {idle.alpha_ms:.3f} ms + {idle.beta_ms_per_byte * 2**20:.3f} ms/MiB"
-                  + (f" (a ring of {network.bandwidth_gbps:.2f} GB/s, {network.latency_us:.1f} us)" if network else ""))
-            print(f"under load: {load.cost.alpha_ms:.3f} ms + {load.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB; "
-                  f"a synchronised step of {load.compute_ms:.2f} ms compute takes {load.step_ms:.2f} ms")
+            print(f"idle all-reduce: {idle.alpha_ms:.3f} ms + "
+                  f"{idle.beta_ms_per_byte * 2**20:.3f} ms/MiB"
+                  + (f" (a ring of {network.bandwidth_gbps:.2f} GB/s, "
+                     f"{network.latency_us:.1f} us)" if network else ""))
+            print(f"under load: {load.cost.alpha_ms:.3f} ms + "
+                  f"{load.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB; "
+                  f"a synchronised step of {load.compute_ms:.2f} ms compute takes "
+                  f"{load.step_ms:.2f} ms")
             print(f"written: {out / f'idle-{n}.json'}, {out / f'load-{n}.json'}")
         dist.barrier()
     finally:

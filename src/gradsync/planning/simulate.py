@@ -18,10 +18,11 @@ the ranks per host the profile was recorded with.
 
 A host whose cores all run a rank's compute, with collectives on the CPU too (gloo), is
 *saturated*: communication takes its time from compute instead of hiding behind it, and waits
-for the scheduler. Neither the network formula nor a fair-share stretch prices that well (about
-20 % off on the 2-core test machine), so such a host is better described by measurement:
-`planner.probe_under_load` at each rank count gives what one all-reduce adds to a step while
-the ranks compute, and how a synchronised step stretches beyond its compute. Given probes for
+for the scheduler. Neither the network formula nor a fair-share stretch prices that well
+(figures: docs/benchmarks/design-figures.md#saturated-host-pricing), so such a host is better
+described by measurement: `planner.probe_under_load` at each rank count gives what one
+all-reduce adds to a step while the ranks compute, and how a synchronised step stretches
+beyond its compute. Given probes for
 the profile's rank count and the predicted one, the step is the profile's compute, stretched as
 the probe's step is, plus every bucket's cost under load (one bucket is then the best plan).
 Record the profile with a core per rank: under oversubscription a rank's own timings already
@@ -97,7 +98,8 @@ class Profile:
             )
         except (KeyError, TypeError, ValueError) as error:
             raise ValueError(
-                f"{path}: not a gradsync timing profile (need forward_ms, ready_ms, nbytes): {error}"
+                f"{path}: not a gradsync timing profile "
+                f"(need forward_ms, ready_ms, nbytes): {error}"
             ) from error
 
     def save(self, path: str | Path) -> Path:
@@ -168,9 +170,15 @@ class Network:
         if ranks < 2:
             raise ValueError("from_cost: a cost measured on at least 2 ranks is needed")
         if algorithm == "ring":
-            latency_ms, per_byte = cost.alpha_ms / (2 * (ranks - 1)), cost.beta_ms_per_byte * ranks / (2 * (ranks - 1))
+            latency_ms, per_byte = (
+                cost.alpha_ms / (2 * (ranks - 1)),
+                cost.beta_ms_per_byte * ranks / (2 * (ranks - 1)),
+            )
         else:
-            latency_ms, per_byte = cost.alpha_ms / (2 * math.ceil(math.log2(ranks))), cost.beta_ms_per_byte / 2
+            latency_ms, per_byte = (
+                cost.alpha_ms / (2 * math.ceil(math.log2(ranks))),
+                cost.beta_ms_per_byte / 2,
+            )
         return cls(1e-6 / max(per_byte, 1e-18), latency_ms * 1e3, algorithm)
 
 
@@ -218,7 +226,10 @@ class Host:
         the inverse of `contention`. A share measured where spare cores hide it says nothing
         of the cost, and gives 0."""
         if not 0.0 <= share <= 1.0 or bandwidth_gbps <= 0:
-            raise ValueError(f"with_contention: need 0 <= share <= 1 and bandwidth > 0, got {share}, {bandwidth_gbps}")
+            raise ValueError(
+                "with_contention: need 0 <= share <= 1 and "
+                f"bandwidth > 0, got {share}, {bandwidth_gbps}"
+            )
         here = min(ranks, self.ranks)
         cores = self.cores if self.cores is not None else here
         alone, _ = self._speeds(ranks, 0.0)
@@ -227,7 +238,9 @@ class Host:
 
     def saturated(self, ranks: int) -> bool:
         """Every core busy with a rank's compute: CPU collectives cannot overlap it."""
-        return self.cpu_collectives and self.cores is not None and min(ranks, self.ranks) >= self.cores
+        return (
+            self.cpu_collectives and self.cores is not None and min(ranks, self.ranks) >= self.cores
+        )
 
     def stretch(self, ranks: int) -> float:
         """How much longer compute takes with `ranks` ranks in all than with one per host."""
@@ -290,7 +303,9 @@ def simulate(
     return out
 
 
-def _modelled(profile: Profile, network: Network, host: Host, default: list[list[int]], n: int) -> Prediction:
+def _modelled(
+    profile: Profile, network: Network, host: Host, default: list[list[int]], n: int
+) -> Prediction:
     """The prediction at `n` ranks from the models alone: the profile's compute stretched as
     the host shares its cores, the network's cost, and the default and planned layouts
     replayed over both."""
@@ -311,7 +326,11 @@ def _modelled(profile: Profile, network: Network, host: Host, default: list[list
         ranks=n,
         default_ms=forward + _finish(ready, nbytes, default, cost, serial, share, reducer),
         planned_ms=forward + _finish(ready, nbytes, planned, cost, serial, share, reducer),
-        no_overlap_ms=forward + backward + reducer.fill(sum(nbytes)) + cost.time_ms(sum(nbytes)) + reducer.tail_ms,
+        no_overlap_ms=forward
+        + backward
+        + reducer.fill(sum(nbytes))
+        + cost.time_ms(sum(nbytes))
+        + reducer.tail_ms,
         planned_buckets=len(planned),
         compute_ms=forward + backward,
         planned_layout=tuple(tuple(b) for b in planned),
@@ -331,7 +350,9 @@ def _saturated(
     stretched = compute * target.step_ms / recorded.compute_ms
 
     def step(layout: list[list[int]]) -> float:
-        return stretched + sum(target.cost.time_ms(sum(profile.nbytes[i] for i in b)) for b in layout)
+        return stretched + sum(
+            target.cost.time_ms(sum(profile.nbytes[i] for i in b)) for b in layout
+        )
 
     one = [list(range(len(profile.nbytes)))]
     return Prediction(
@@ -353,9 +374,15 @@ def _plan(ready: list[float], nbytes: list[int], cost: CostModel, serial: bool, 
     planned = plan_buckets(ready, nbytes, cost)
     if share <= 0 or serial:
         return planned
-    best, best_ms, scale = planned, _finish(ready, nbytes, planned, cost, serial, share, reducer), 2.0
+    best, best_ms, scale = (
+        planned,
+        _finish(ready, nbytes, planned, cost, serial, share, reducer),
+        2.0,
+    )
     while len(planned) > 1 and scale <= 2.0**20:
-        planned = plan_buckets(ready, nbytes, CostModel(max(cost.alpha_ms, 1e-3) * scale, cost.beta_ms_per_byte))
+        planned = plan_buckets(
+            ready, nbytes, CostModel(max(cost.alpha_ms, 1e-3) * scale, cost.beta_ms_per_byte)
+        )
         ms = _finish(ready, nbytes, planned, cost, serial, share, reducer)
         if ms < best_ms:
             best, best_ms = planned, ms
@@ -429,7 +456,8 @@ def _replay(
 
 def markdown(predictions: Sequence[Prediction]) -> str:
     lines = [
-        "| ranks | default ms | planned ms | no overlap ms | planned buckets | efficiency (planned) |",
+        "| ranks | default ms | planned ms | no overlap "
+        "ms | planned buckets | efficiency (planned) |",
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for p in predictions:
@@ -445,7 +473,11 @@ def plot(predictions: Sequence[Prediction], path: str | Path) -> Path:
 
     ranks = [p.ranks for p in predictions]
     fig, ax = figure(7, 4)
-    for label, attr in [("default", "default_ms"), ("planned", "planned_ms"), ("no overlap", "no_overlap_ms")]:
+    for label, attr in [
+        ("default", "default_ms"),
+        ("planned", "planned_ms"),
+        ("no overlap", "no_overlap_ms"),
+    ]:
         ax.plot(ranks, [getattr(p, attr) for p in predictions], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("ranks")
@@ -473,7 +505,8 @@ def timing_profile(reducer: Reducer, window: int = 8) -> Profile:
     for tl in timelines:
         filled, launched = tl.times(EventKind.BUCKET_READY), tl.times(EventKind.LAUNCH)
         completed = tl.times(EventKind.COMPLETE)
-        last = max(filled, key=lambda b: filled[b]) if filled else None  # filled last: launched at once
+        # filled last: launched at once
+        last = max(filled, key=lambda b: filled[b]) if filled else None
         if last is not None and last in launched and tl.bucket_bytes[last] > 0:
             fills.append((launched[last] - filled[last]) * 1e-6 / tl.bucket_bytes[last])
         if tl.backward_end_ns:

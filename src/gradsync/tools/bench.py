@@ -101,12 +101,17 @@ def markdown_table(
         label = f"{v} (A/A noise)" if v == aa else v
         lines.append(
             f"| {label} | {comparison.median(v) * scale:.3f} | {lo * scale:.3f}–{hi * scale:.3f} "
-            f"| {ratio:.3f} | {r_lo:.3f}–{r_hi:.3f} |" + "".join(f" {col.get(v, '')} |" for col in extra.values())
+            f"| {ratio:.3f} | {r_lo:.3f}–{r_hi:.3f} |"
+            + "".join(f" {col.get(v, '')} |" for col in extra.values())
         )
     return "\n".join(lines)
 
 
-def mismatched(same: dict[str, dict[str, float]], tolerance: float = 1e-3) -> dict[str, dict[str, float]]:
+def mismatched(
+    same: dict[str, dict[str, float]], tolerance: float = 1e-3
+) -> dict[str, dict[str, float]]:
     """The models whose variants ended with parameters unlike torch DDP's: a difference above
     `tolerance`, or NaN (a model that diverged compares as NaN, never as equal)."""
-    return {m: diffs for m, diffs in same.items() if not all(d <= tolerance for d in diffs.values())}
+    return {
+        m: diffs for m, diffs in same.items() if not all(d <= tolerance for d in diffs.values())
+    }

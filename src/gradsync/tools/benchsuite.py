@@ -41,7 +41,15 @@ from .bench import Comparison, interleave, markdown_table, mismatched, timed
 
 __all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "main", "mismatched"]
 
-VARIANTS = ("torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned", "no overlap", "compute only")
+VARIANTS = (
+    "torch DDP",
+    "torch DDP (again)",
+    "gradsync",
+    "gradsync as_view",
+    "gradsync planned",
+    "no overlap",
+    "compute only",
+)
 
 
 class TinyGPT(nn.Module):
@@ -50,10 +58,14 @@ class TinyGPT(nn.Module):
     def __init__(self, vocab: int = 256, dim: int = 128, layers: int = 2, seq: int = 32) -> None:
         super().__init__()
         self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
-        block = nn.TransformerEncoderLayer(dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True)
+        block = nn.TransformerEncoderLayer(
+            dim, 4, 4 * dim, dropout=0.0, batch_first=True, norm_first=True
+        )
         self.blocks = nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
         self.head = nn.Linear(dim, vocab)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+        self.register_buffer(
+            "mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False
+        )
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -62,7 +74,10 @@ class TinyGPT(nn.Module):
 
 
 def _many_small() -> tuple[nn.Module, Callable[[torch.Generator], torch.Tensor]]:
-    return nn.Sequential(*[nn.Linear(16, 16) for _ in range(100)]), lambda g: torch.randn(32, 16, generator=g)
+    return (
+        nn.Sequential(*[nn.Linear(16, 16) for _ in range(100)]),
+        lambda g: torch.randn(32, 16, generator=g),
+    )
 
 
 def _gpt():
@@ -78,7 +93,10 @@ def _convnet():
 
 
 def _wide_mlp():
-    return nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]), lambda g: torch.randn(32, 1024, generator=g)
+    return (
+        nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(4)]),
+        lambda g: torch.randn(32, 1024, generator=g),
+    )
 
 
 class ResidualMLP(nn.Module):
@@ -96,27 +114,44 @@ class ResidualMLP(nn.Module):
 
 
 # Sized for a slow network (the issue's cluster models), where compute and communication are
-# of one order: about 75-185 ms of compute per step on one core against 55-300 ms of all-reduce
-# at 2 Gbit/s.
+# of one order (figures: docs/benchmarks/design-figures.md#cluster-bench-models).
 def _residual_mlp():  # 200 tensors, 14 MiB
     return ResidualMLP(192, 100), lambda g: torch.randn(256, 192, generator=g)
 
 
 def _gpt_16mib():  # 64 tensors, 16 MiB
-    return TinyGPT(vocab=512, dim=256, layers=5, seq=64), lambda g: torch.randint(0, 512, (8, 64), generator=g)
+    return (
+        TinyGPT(vocab=512, dim=256, layers=5, seq=64),
+        lambda g: torch.randint(0, 512, (8, 64), generator=g),
+    )
 
 
 def _convnet_12mib():  # 12 tensors, 12 MiB (8 of them in the first linear, ready early)
     model = nn.Sequential(
-        nn.Conv2d(3, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 128, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(128, 256, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(256, 256, 3, padding=1),
-        nn.ReLU(), nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(256 * 16, 512), nn.ReLU(), nn.Linear(512, 10),
+        nn.Conv2d(3, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(64, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(128, 256, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(256, 256, 3, padding=1),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(4),
+        nn.Flatten(),
+        nn.Linear(256 * 16, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
     )
     return model, lambda g: torch.randn(16, 3, 32, 32, generator=g)
 
 
 def _wide_mlp_64mib():  # 8 tensors, 64 MiB: communication-bound
-    return nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]), lambda g: torch.randn(128, 2048, generator=g)
+    return (
+        nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(4)]),
+        lambda g: torch.randn(128, 2048, generator=g),
+    )
 
 
 MODELS = {
@@ -165,7 +200,9 @@ def _wrap_variant(name: str, model: nn.Module) -> nn.Module:
     return model
 
 
-def _make_variant(name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list]):
+def _make_variant(
+    name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list]
+):
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
     wrapped = _wrap_variant(name, model)
@@ -209,10 +246,21 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool
     nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]
-    plans = {k: str(models.pop(k).bucket_plan()) for k in [k for k in models if k.startswith("plan of ")]}  # type: ignore[operator]
+    plans = {
+        k: str(models.pop(k).bucket_plan())  # type: ignore[operator]
+        for k in [k for k in models if k.startswith("plan of ")]
+    }
     same = _same_parameters(models)
-    return {"result": result, "nbytes": nbytes, "cost": cost, "same": same, "plans": plans, "comm_cpu": comm_cpu,
-            "cpu": {v: got[-rounds:] for v, got in cpu.items()}}  # the timed rounds, after the warm-up
+    return {
+        "result": result,
+        "nbytes": nbytes,
+        "cost": cost,
+        "same": same,
+        "plans": plans,
+        "comm_cpu": comm_cpu,
+        # the timed rounds, after the warm-up
+        "cpu": {v: got[-rounds:] for v, got in cpu.items()},
+    }
 
 
 def _same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
@@ -222,7 +270,9 @@ def _same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
     for name, model in models.items():
         if name in ("torch DDP", "compute only"):
             continue
-        out[name] = max((a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), ref))
+        out[name] = max(
+            (a.detach() - b).abs().max().item() for a, b in zip(model.parameters(), ref)
+        )
     return out
 
 
@@ -268,10 +318,10 @@ def _cpu_floor_lines(data: dict) -> list[str]:
     if cpu is None or floor is None:
         return []
     return [
-        f"an all-reduce of these gradients keeps this machine's CPUs busy {cpu.busy_ms:.1f} ms "
-        f"({cpu.per_core_ms:.1f} ms on each of {cpu.cores} cores) over its {cpu.allreduce_ms:.1f} ms; "
-        f"with every core computing, that floor is max(compute + {cpu.per_core_ms:.1f}, communication) "
-        f"= {floor:.2f} ms",
+        "an all-reduce of these gradients keeps this machine's CPUs busy "
+        f"{cpu.busy_ms:.1f} ms ({cpu.per_core_ms:.1f} ms on each of {cpu.cores} cores) "
+        f"over its {cpu.allreduce_ms:.1f} ms; with every core computing, "
+        f"that floor is max(compute + {cpu.per_core_ms:.1f}, communication) = {floor:.2f} ms",
         _floor_line(data["result"], floor, "with the links' CPU"),
     ]
 
@@ -291,15 +341,19 @@ def _cpu_use_lines(data: dict) -> list[str]:
         return []
     shares = ", ".join(f"{v} {ms:.1f} ms ({share:.0%})" for v, (ms, share) in use.items())
     return [
-        f"CPU time per step of this rank's threads (gloo's and the kernel's network work charged to "
-        f"them included), and its share of the step: {shares}. Near 100 % a step is bound by this "
-        "host's core, not by the link or the layout: the CPU the overlapped transfers cost it adds "
-        "to the step."
+        "CPU time per step of this rank's threads (gloo's and the kernel's "
+        "network work charged to them included), and its share of the step: "
+        f"{shares}. Near 100 % a step is bound by this host's core, not by the link "
+        "or the layout: the CPU the overlapped transfers cost it adds to the step."
     ]
 
 
-def _floor_line(result: Comparison, floor: float, which: str = "max(compute, communication)") -> str:
-    shares = ", ".join(f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only")
+def _floor_line(
+    result: Comparison, floor: float, which: str = "max(compute, communication)"
+) -> str:
+    shares = ", ".join(
+        f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only"
+    )
     return f"floor {which} = {floor:.2f} ms; step time / floor: {shares}"
 
 
@@ -372,30 +426,41 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _parser(device_models: tuple[str, ...], device_variants: tuple[str, ...]) -> argparse.ArgumentParser:
+def _parser(device_models: tuple[str, ...],
+            device_variants: tuple[str, ...]) -> argparse.ArgumentParser:
     """The bench's options; defaults that depend on which bench runs are left None for
     `parse_args` (the CPU bench) or `_device_args` (the device bench) to fill in."""
     p = argparse.ArgumentParser(prog="gradsync bench", description=__doc__, epilog=DEVICE_HELP,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", default=None, help=f"comma-separated, from {', '.join(MODELS)} (default: "
-                   f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: {', '.join(CLUSTER_MODELS)}); "
-                   f"with --device, from {', '.join(device_models)} (default: all three; none with --model)")
+    p.add_argument("--models", default=None,
+                   help=f"comma-separated, from {', '.join(MODELS)} (default: "
+                   f"{', '.join(LOOPBACK_MODELS)}; with --hosts, sized for a slow network: "
+                   f"{', '.join(CLUSTER_MODELS)}); with --device, from "
+                   f"{', '.join(device_models)} (default: all three; none with --model)")
     p.add_argument("--rounds", type=int, default=None,
                    help="measured rounds after the warm-up (default 25; with --device 15)")
-    p.add_argument("--repeat", type=int, default=None, help="steps per variant per round (default 8; with --device 5)")
-    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, two small models, "
-                   "no warm-up for planned buckets' trial; with --device, 3 rounds of 2 steps")
+    p.add_argument("--repeat", type=int, default=None,
+                   help="steps per variant per round (default 8; with --device 5)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, "
+                   "two small models, no warm-up for planned buckets' trial; with --device, "
+                   "3 rounds of 2 steps")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
                    "(default out/bench; with --device, out/bench-DEVICE)")
     d = p.add_argument_group("the device bench")
     d.add_argument("--device", choices=["cuda", "cpu"], default=None,
-                   help="run the device bench on this device (default: the CPU bench above; cpu with --model)")
-    d.add_argument("--model", default=None, metavar="MODULE:FUNCTION", help="bench your own model (see below)")
-    d.add_argument("--variants", default=None, help=f"comma-separated, from {', '.join(device_variants)} "
-                   "(default: all but the optional ones; under torch.compile not the find_unused pair)")
-    d.add_argument("--tiny", action="store_true", help="the built-in models shrunk (same structure), for CPU")
-    d.add_argument("--compile", action="store_true", help="torch.compile your --model (the built-in gpt_compiled always is)")
-    d.add_argument("--compile-backend", default="inductor", help="torch.compile backend (default inductor)")
+                   help="run the device bench on this device (default: the CPU bench above; "
+                   "cpu with --model)")
+    d.add_argument("--model", default=None, metavar="MODULE:FUNCTION",
+                   help="bench your own model (see below)")
+    d.add_argument("--variants", default=None,
+                   help=f"comma-separated, from {', '.join(device_variants)} (default: all but "
+                   "the optional ones; under torch.compile not the find_unused pair)")
+    d.add_argument("--tiny", action="store_true",
+                   help="the built-in models shrunk (same structure), for CPU")
+    d.add_argument("--compile", action="store_true",
+                   help="torch.compile your --model (the built-in gpt_compiled always is)")
+    d.add_argument("--compile-backend", default="inductor",
+                   help="torch.compile backend (default inductor)")
     d.add_argument("--autocast", choices=["none", "bf16"], default="none",
                    help="autocast your --model's forward (the built-in models always use bf16)")
     return p
@@ -409,13 +474,18 @@ def _device_args(p: argparse.ArgumentParser, args: argparse.Namespace, models: t
         args.device_models = [m for m in args.models.split(",") if m]
     unknown = [m for m in args.device_models if m not in models]
     if unknown:
-        p.error(f"--device: unknown models {unknown} (choose from {list(models)}, or bench your own with --model)")
+        p.error(
+            f"--device: unknown models {unknown} (choose from "
+            f"{list(models)}, or bench your own with --model)"
+        )
     if args.quick:
         args.rounds, args.repeat = args.rounds or 3, args.repeat or 2
     args.rounds = 15 if args.rounds is None else args.rounds
     args.repeat = 5 if args.repeat is None else args.repeat
     if args.rounds < 2 or args.repeat < 1:
-        p.error("--device: --rounds must be at least 2 (a spread needs two) and --repeat at least 1")
+        p.error(
+            "--device: --rounds must be at least 2 (a spread needs two) and --repeat at least 1"
+        )
     wrong = [v for v in (args.variants or "").split(",") if v and v not in variants]
     if wrong:
         p.error(f"--variants: unknown {wrong} (choose from {list(variants)})")
@@ -436,7 +506,10 @@ def main(argv: list[str] | None = None) -> None:
     dist.init_process_group("gloo")
     try:
         rank = dist.get_rank()
-        results = {m: run_model(m, args.rounds, args.repeat, rank, settle=not args.quick) for m in args.models.split(",")}
+        results = {
+            m: run_model(m, args.rounds, args.repeat, rank, settle=not args.quick)
+            for m in args.models.split(",")
+        }
         if rank == 0:
             _write(args, results)
         gc.collect()  # free every wrapper while the group still exists
@@ -454,7 +527,9 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
         m: {
             "median_ms": {v: d["result"].median(v) * 1e3 for v in VARIANTS},
             "ratio_to_torch": {v: d["result"].paired_ratio(v, "torch DDP") for v in VARIANTS},
-            "ratio_interval_to_torch": {v: d["result"].ratio_interval(v, "torch DDP") for v in VARIANTS},
+            "ratio_interval_to_torch": {
+                v: d["result"].ratio_interval(v, "torch DDP") for v in VARIANTS
+            },
             "gradient_bytes": d["nbytes"],
             "allreduce_alpha_ms": d["cost"].alpha_ms,
             "allreduce_ms_per_mib": d["cost"].beta_ms_per_byte * 2**20,

@@ -33,7 +33,9 @@ def _run_on_ranks(args: argparse.Namespace, rest: list[str]) -> int:
     if args.nproc is None:
         args.nproc = 2
     if args.nproc < fewest:
-        raise SystemExit(f"gradsync {args.command}: --nproc must be at least {fewest}, got {args.nproc}")
+        raise SystemExit(
+            f"gradsync {args.command}: --nproc must be at least {fewest}, got {args.nproc}"
+        )
     if getattr(args, "hosts", None):
         return _launch_on_cluster(args, module_name, rest)
     return _launch(args.nproc, module_name, rest, args.command)
@@ -78,7 +80,9 @@ def _launch(nproc: int, module: str, rest: list[str], what: str) -> int:
     try:
         torchrun.main(launcher)
     except (KeyboardInterrupt, SignalException):
-        print(f"\ngradsync {what}: interrupted; torch's launcher stopped every rank", file=sys.stderr)
+        print(
+            f"\ngradsync {what}: interrupted; torch's launcher stopped every rank", file=sys.stderr
+        )
         return 130
     return 0
 
@@ -137,7 +141,9 @@ def _add_on_ranks_commands(sub: argparse._SubParsersAction[argparse.ArgumentPars
         if name == "bench":  # the emulated cluster: one host per rank, each on a shaped link
             on_ranks.add_argument("--hosts", type=int, default=0,
                                   help="run on an emulated cluster of N hosts (2-4; needs root)")
-            on_ranks.add_argument("--link", default="2gbit", help="each host's link rate (default 2gbit)")
+            on_ranks.add_argument(
+                "--link", default="2gbit", help="each host's link rate (default 2gbit)"
+            )
             on_ranks.add_argument("--nproc-per-host", type=int, default=1)
             on_ranks.add_argument("--cluster-timeout", type=float, default=3600.0)
 
@@ -152,19 +158,32 @@ def _add_simulate_command(sub: argparse._SubParsersAction[argparse.ArgumentParse
     )
     sim.add_argument("--profile", required=True, help="JSON written by save_timing_profile")
     sim.add_argument("--bandwidth", type=float, default=12.5, help="GB/s per link (default 12.5)")
-    sim.add_argument("--latency", type=float, default=10.0, help="microseconds per hop (default 10)")
+    sim.add_argument(
+        "--latency", type=float, default=10.0, help="microseconds per hop (default 10)"
+    )
     sim.add_argument("--algorithm", choices=["ring", "tree"], default="ring")
     sim.add_argument("--ranks", default="2,4,8,16,32,64,128,256,512,1024")
     sim.add_argument("--ranks-per-host", type=int, default=1,
                      help="ranks sharing one host (default 1)")
-    sim.add_argument("--cores-per-host", type=int, default=None,
-                     help="cores per host: with more ranks than cores, compute stretches (default: enough)")
+    sim.add_argument(
+        "--cores-per-host",
+        type=int,
+        default=None,
+        help="cores per host: with more ranks than cores, compute stretches (default: enough)",
+    )
     sim.add_argument("--cpu-collectives", action="store_true",
                      help="collectives run on the host's cores (gloo): on a saturated host they "
                      "add to compute instead of overlapping it")
-    sim.add_argument("--load-probes", nargs="+", default=[], metavar="JSON",
-                     help="probes under load (gradsync probe, or planner.probe_under_load(...).save), one per "
-                     "rank count, the profile's included: on a saturated host they price the step")
+    sim.add_argument(
+        "--load-probes",
+        nargs="+",
+        default=[],
+        metavar="JSON",
+        help=(
+            "probes under load (gradsync probe, or planner.probe_under_load(...).save), one per "
+            "rank count, the profile's included: on a saturated host they price the step"
+        ),
+    )
     sim.add_argument("--out", default="out", help="folder for simulate.png (default out/)")
 
 
@@ -179,7 +198,8 @@ def _simulate(args: argparse.Namespace) -> int:
         if any(r < 1 for r in ranks):
             raise ValueError
     except ValueError:
-        raise SystemExit(f"gradsync simulate: --ranks must be positive integers, got {args.ranks!r}") from None
+        raise SystemExit("gradsync simulate: --ranks must be positive integers, "
+                         f"got {args.ranks!r}") from None
     try:
         profile = Profile.load(args.profile)
         network = Network(args.bandwidth, args.latency, args.algorithm)
@@ -188,11 +208,12 @@ def _simulate(args: argparse.Namespace) -> int:
     except (OSError, ValueError) as error:
         raise SystemExit(f"gradsync simulate: {error}") from None
     if loads and not (args.cpu_collectives and args.cores_per_host):
-        raise SystemExit("gradsync simulate: --load-probes describe a host whose cores all run ranks, with "
-                         "CPU collectives: add --cpu-collectives and --cores-per-host")
+        raise SystemExit("gradsync simulate: --load-probes describe a host whose cores all run "
+                         "ranks, with CPU collectives: add --cpu-collectives and --cores-per-host")
     if loads and profile.world_size not in loads:
-        raise SystemExit(f"gradsync simulate: no load probe at the profile's {profile.world_size} ranks "
-                         f"(have {sorted(loads)}): the stretch is measured relative to it")
+        raise SystemExit("gradsync simulate: no load probe at the profile's "
+                         f"{profile.world_size} ranks (have {sorted(loads)}): the stretch is "
+                         "measured relative to it")
     predictions = simulate(profile, network, ranks, host, loads)
     print(f"profile: forward {profile.forward_ms:.3f} ms, backward {profile.backward_ms:.3f} ms, "
           f"{sum(profile.nbytes) / 2**20:.2f} MiB of gradients in {len(profile.nbytes)} tensors")

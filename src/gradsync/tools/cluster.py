@@ -7,10 +7,10 @@ Each host is a Linux network namespace whose processes also get their own UTS na
 own host name, `gradsync-host0`, ...). The hosts hang off a bridge in a namespace of its own
 (the switch) through veth pairs; the egress of both ends of each host's cable is shaped with
 `tc ... tbf` to the host's link rate, so each direction runs at that rate. gloo then waits on
-the link, not on the CPU: on a 2-core machine a 16 MiB all-reduce takes about 70 ms of wall time
-at 2 Gbit/s and about 30 ms of the machine's CPU (both hosts' network stacks, the switch, tbf),
-and overlaps computation, as on a cluster with a slow network. TCP's packets on the cables are
-256 KiB ("BIG TCP"), not 64, which halves that CPU (`_allow_big_packets`).
+the link, not on the CPU (what CPU it takes goes to both hosts' network stacks, the switch and
+tbf), and overlaps computation, as on a cluster with a slow network. TCP's packets on the cables
+are 256 KiB ("BIG TCP"), not 64, which cuts that CPU (`_allow_big_packets`); figures:
+docs/benchmarks/design-figures.md#emulated-link-cost.
 
 Propagation latency needs `netem`, which this kernel lacks; `latency=` is refused with that
 reason where netem is missing. Needs root and iproute2 (`ip`, `tc`) and `unshare`; otherwise
@@ -42,10 +42,17 @@ __all__ = ["ClusterUnavailable", "EmulatedCluster", "Host", "parse_rate"]
 PREFIX = "gradsync-cl-"
 IFNAME = "eth0"  # every host's end of its cable: the same name in each namespace
 RDZV_PORT = 29400  # fresh namespaces: nothing else can hold it
-BIG_PACKET, LEGACY_PACKET = 256 * 1024, 64 * 1024  # TCP's largest packet on the cables, and without BIG TCP
+# TCP's largest packet on the cables, and without BIG TCP
+BIG_PACKET, LEGACY_PACKET = 256 * 1024, 64 * 1024
 CLONE_NEWNET = 0x40000000
 RTM_NEWLINK, NLM_F_REQUEST, NLM_F_ACK = 16, 1, 4
-IFLA_GSO_MAX_SIZE, IFLA_GRO_MAX_SIZE, IFLA_GSO_IPV4_MAX_SIZE, IFLA_GRO_IPV4_MAX_SIZE = 41, 58, 63, 64  # linux/if_link.h
+# linux/if_link.h
+IFLA_GSO_MAX_SIZE, IFLA_GRO_MAX_SIZE, IFLA_GSO_IPV4_MAX_SIZE, IFLA_GRO_IPV4_MAX_SIZE = (
+    41,
+    58,
+    63,
+    64,
+)
 
 
 class ClusterUnavailable(RuntimeError):
@@ -64,7 +71,9 @@ def parse_rate(rate: str) -> float:
     """'2gbit', '500mbit', '1.5gbit' -> bits per second (tc's units)."""
     match = re.fullmatch(r"\s*([0-9.]+)\s*(k|m|g)?bit\s*", rate.lower())
     if not match:
-        raise ValueError(f"link rate {rate!r}: give a number and a unit, e.g. 2gbit, 500mbit, 100kbit")
+        raise ValueError(
+            f"link rate {rate!r}: give a number and a unit, e.g. 2gbit, 500mbit, 100kbit"
+        )
     scale = {"k": 1e3, "m": 1e6, "g": 1e9, None: 1.0}[match.group(2)]
     return float(match.group(1)) * scale
 
@@ -79,15 +88,21 @@ class EmulatedCluster:
                  latency: str | None = None, subnet: str = "10.78.0") -> None:
         if not 2 <= hosts <= 4:
             raise ValueError(f"hosts={hosts}: the emulated cluster has 2 to 4 hosts")
-        links: list[str | None] = [link] * hosts if link is None or isinstance(link, str) else list(link)
+        links: list[str | None] = (
+            [link] * hosts if link is None or isinstance(link, str) else list(link)
+        )
         if len(links) != hosts:
-            raise ValueError(f"{len(links)} link rates for {hosts} hosts: give one, or one per host")
+            raise ValueError(
+                f"{len(links)} link rates for {hosts} hosts: give one, or one per host"
+            )
         self.rates = [parse_rate(r) if r is not None else None for r in links]
         self.links = links
         self.latency = latency
         tag = f"{PREFIX}{os.getpid()}"
         self.switch = f"{tag}-sw"
-        self.hosts = [Host(i, f"{tag}-h{i}", f"gradsync-host{i}", f"{subnet}.{i + 1}") for i in range(hosts)]
+        self.hosts = [
+            Host(i, f"{tag}-h{i}", f"gradsync-host{i}", f"{subnet}.{i + 1}") for i in range(hosts)
+        ]
         self.big_tcp = True
         """Whether every cable takes TCP packets of `BIG_PACKET` bytes (False where the kernel
         refused: 64 KiB packets, more CPU per byte); known once built."""
@@ -138,7 +153,13 @@ class EmulatedCluster:
         for namespace, device in ((host.namespace, IFNAME), (self.switch, port)):  # both directions
             self.big_tcp = _allow_big_packets(namespace, device) and self.big_tcp
             if rate is not None or self.latency is not None:
-                _shape(namespace, device, rate, self.latency, BIG_PACKET if self.big_tcp else LEGACY_PACKET)
+                _shape(
+                    namespace,
+                    device,
+                    rate,
+                    self.latency,
+                    BIG_PACKET if self.big_tcp else LEGACY_PACKET,
+                )
 
     def remove(self) -> None:
         """Delete every namespace this cluster made (their interfaces go with them)."""
@@ -217,7 +238,10 @@ class EmulatedCluster:
         return results
 
     def __repr__(self) -> str:
-        hosts = ", ".join(f"{h.hostname} {h.address} @ {rate or 'unshaped'}" for h, rate in zip(self.hosts, self.links))
+        hosts = ", ".join(
+            f"{h.hostname} {h.address} @ {rate or 'unshaped'}"
+            for h, rate in zip(self.hosts, self.links)
+        )
         return f"EmulatedCluster({hosts})"
 
 
@@ -234,15 +258,16 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
 def _allow_big_packets(namespace: str, device: str) -> bool:
     """Let TCP hand `device` packets of up to `BIG_PACKET` bytes (IPv4 "BIG TCP", Linux 6.3+),
     not 64 KiB: a quarter of the packets, so a quarter of the per-packet work (tbf's dequeues,
-    the bridge, the receiver's wake-ups), all of it on the cores that compute. Measured on
-    this 2-core machine at 2 Gbit/s, a 16 MiB all-reduce took 29 ms of the machine's CPU with
-    256 KiB packets and 52 ms with 64 KiB ones (2 MiB: 4.3 and 7.9 ms; 1 Gbit/s: 29 and 51 ms),
-    its wall time the same (the link's). A real NIC does this work itself (TSO, GRO, DMA).
+    the bridge, the receiver's wake-ups), all of it on the cores that compute: an all-reduce
+    takes less of the machine's CPU, its wall time the same (the link's); figures:
+    docs/benchmarks/design-figures.md#big-tcp-cpu. A real NIC does this work itself (TSO, GRO, DMA).
 
     iproute2 before 6.3 cannot set these sizes, so rtnetlink is spoken directly, from a thread
     that enters the namespace. False (packets stay at 64 KiB) where the kernel refuses."""
     result: list[bool] = []
-    thread = threading.Thread(target=lambda: result.append(_set_packet_sizes(namespace, device, BIG_PACKET)))
+    thread = threading.Thread(
+        target=lambda: result.append(_set_packet_sizes(namespace, device, BIG_PACKET))
+    )
     thread.start()
     thread.join(timeout=30)
     return bool(result and result[0])
@@ -271,7 +296,8 @@ def _set_packet_sizes(namespace: str, device: str, size: int) -> bool:
         sock.settimeout(10)
         sock.send(header + body)
         reply = sock.recv(4096)
-    return len(reply) >= 20 and struct.unpack_from("i", reply, 16)[0] == 0  # struct nlmsgerr: 0 is success
+    # struct nlmsgerr: 0 is success
+    return len(reply) >= 20 and struct.unpack_from("i", reply, 16)[0] == 0
 
 
 def _shape(namespace: str, device: str, rate: str | None, latency: str | None, packet: int) -> None:
@@ -284,7 +310,19 @@ def _shape(namespace: str, device: str, rate: str | None, latency: str | None, p
                 f"latency={latency!r} needs tc's netem, which this kernel refuses "
                 f"({netem.stderr.strip()}); leave latency out to shape the rate only"
             )
-        cmd = ["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device, "parent", "1:"]
+        cmd = [
+            "ip",
+            "netns",
+            "exec",
+            namespace,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            device,
+            "parent",
+            "1:",
+        ]
     if rate is None:
         return
     # The bucket: a millisecond's worth of bytes at the rate, and at least the largest packet
@@ -320,19 +358,40 @@ def remove_stale() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m gradsync.tools.cluster", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsync.tools.cluster", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--hosts", type=int, default=2)
-    parser.add_argument("--link", default="2gbit", help="rate per host, or comma-separated, one per host")
+    parser.add_argument(
+        "--link", default="2gbit", help="rate per host, or comma-separated, one per host"
+    )
     parser.add_argument("--latency", default=None)
-    parser.add_argument("--timeout", type=float, default=3600.0, help="seconds before every host's command is killed")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND: run on every host at once")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=3600.0,
+        help="seconds before every host's command is killed",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- COMMAND: run on every host at once"
+    )
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     links = args.link.split(",") if "," in args.link else args.link
     with EmulatedCluster(args.hosts, links, args.latency) as cluster:
         print(cluster, flush=True)
-        procs = [subprocess.Popen(cluster.command(i, command), env={**os.environ, **cluster.env(i)},
-                                  start_new_session=True) for i in range(args.hosts)] if command else []
+        procs = (
+            [
+                subprocess.Popen(
+                    cluster.command(i, command),
+                    env={**os.environ, **cluster.env(i)},
+                    start_new_session=True,
+                )
+                for i in range(args.hosts)
+            ]
+            if command
+            else []
+        )
         return max([_wait_or_kill(p, args.timeout) for p in procs], default=0)
 
 

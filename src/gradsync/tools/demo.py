@@ -62,11 +62,19 @@ def global_batches(n: int, batch: int, world: int, epoch: int, seed: int) -> lis
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="gradsync demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="gradsync demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--epochs", type=int, default=20, help="passes over the training split (default 20)")
-    p.add_argument("--batch-size", type=int, default=32, help="samples per rank per step (default 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)")
+    p.add_argument(
+        "--epochs", type=int, default=20, help="passes over the training split (default 20)"
+    )
+    p.add_argument(
+        "--batch-size", type=int, default=32, help="samples per rank per step (default 32)"
+    )
+    p.add_argument(
+        "--lr", type=float, default=0.05, help="SGD learning rate, momentum 0.9 (default 0.05)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for weights, split and batch order")
     p.add_argument("--bucket-cap-mb", default=None,
                    help="bucket size in MiB (default: torch's 25), or 'auto' to plan buckets "
@@ -75,7 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="search the graph for unused parameters every iteration")
     p.add_argument("--comm-hook", choices=HOOKS, default="none",
                    help="compress gradients for communication (default none)")
-    p.add_argument("--out", default="out/demo", help="folder for the PNG and trace (default out/demo)")
+    p.add_argument(
+        "--out", default="out/demo", help="folder for the PNG and trace (default out/demo)"
+    )
     args = p.parse_args(argv)
     _check(p, args)
     return args
@@ -91,7 +101,9 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         try:
             args.bucket_cap_mb = float(args.bucket_cap_mb)
         except ValueError:
-            p.error(f"--bucket-cap-mb must be a number of MiB or 'auto', got {args.bucket_cap_mb!r}")
+            p.error(
+                f"--bucket-cap-mb must be a number of MiB or 'auto', got {args.bucket_cap_mb!r}"
+            )
         if args.bucket_cap_mb <= 0:
             p.error(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
 
@@ -108,7 +120,9 @@ def wrap(model: nn.Module, args: argparse.Namespace) -> DistributedDataParallel:
     return ddp
 
 
-def train(args: argparse.Namespace, rank: int, world: int) -> tuple[DistributedDataParallel, list[dict]]:
+def train(
+    args: argparse.Namespace, rank: int, world: int
+) -> tuple[DistributedDataParallel, list[dict]]:
     train_x, train_y, test_x, test_y = load_data(args.seed)
     ddp = wrap(make_model(args.seed), args)
     opt = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9)
@@ -211,11 +225,19 @@ def _report(args, world, ddp, history, gathered, timelines, traces) -> None:
     png = _overlap_png(timelines, out / "overlap.png")
     trace = write_chrome_trace(out / "trace.json", merge_traces(traces))
     tolerance = 1e-3 if args.comm_hook == "none" else 5e-2
-    print(f"\ngradsync demo: {world} ranks, {args.epochs} epochs, {args.batch_size} samples per rank per step")
+    print(
+        f"\ngradsync demo: {world} ranks, {args.epochs} epochs, "
+        f"{args.batch_size} samples per rank per step"
+    )
     print(f"  held-out accuracy: {final['accuracy']:.1%} (target {ACCURACY_TARGET:.0%})")
     print(f"  parameters identical on all {world} ranks: {same}")
-    print(f"  max |DDP - single process on whole batches|: {vs_single:.2e} (tolerance {tolerance:g})")
-    print(f"  median step: {final['step_ms']:.2f} ms; communication hidden behind backward: {final['hidden']:.0%}")
+    print(
+        f"  max |DDP - single process on whole batches|: {vs_single:.2e} (tolerance {tolerance:g})"
+    )
+    print(
+        f"  median step: {final['step_ms']:.2f} ms; "
+        f"communication hidden behind backward: {final['hidden']:.0%}"
+    )
     print(f"\n{ddp.stats()}\n")
     print(f"  overlap timeline (PNG):  {png}")
     print(f"  Perfetto trace (all ranks): {trace}  -> open in https://ui.perfetto.dev")

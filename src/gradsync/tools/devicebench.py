@@ -60,7 +60,11 @@ PAIRS = (
     ("gradsync", "torch DDP", "gradsync / torch's DDP"),
     ("gradsync as_view", "torch DDP", "gradsync as_view / torch's DDP"),
     ("gradsync as_view", "no DDP", "gradsync as_view / no DDP"),
-    ("gradsync find_unused", "torch DDP find_unused", "gradsync / torch's DDP, find_unused_parameters"),
+    (
+        "gradsync find_unused",
+        "torch DDP find_unused",
+        "gradsync / torch's DDP, find_unused_parameters",
+    ),
     ("gradsync no events", "torch DDP", "gradsync no events / torch's DDP"),
     ("torch DDP (again)", "torch DDP", "A/A"),
 )
@@ -71,7 +75,9 @@ class GPT(nn.Module):
     """A GPT-2-style decoder: token and position embeddings, pre-norm causal self-attention
     blocks, a final LayerNorm and an LM head tied to the token embedding."""
 
-    def __init__(self, vocab: int, dim: int, layers: int, heads: int, positions: int = 1024) -> None:
+    def __init__(
+        self, vocab: int, dim: int, layers: int, heads: int, positions: int = 1024
+    ) -> None:
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
         layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, activation="gelu",
@@ -133,8 +139,10 @@ def builtin_workload(name: str, rank: int, tiny: bool, compile_backend: str,
         model = GPT(vocab, dim, layers, heads, positions=max(tokens, 32))
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [torch.randint(0, vocab, (batch, tokens), generator=g) for _ in range(4)]
-    describe = (f"{DESCRIBE[name]}{f' ({compile_backend})' if compiled else ''}: {layers} layers, d={dim}, "
-                f"vocab {vocab}, tied head, bf16 autocast, {batch} x {tokens} tokens")
+    describe = (
+        f"{DESCRIBE[name]}{f' ({compile_backend})' if compiled else ''}: {layers} layers, d={dim}, "
+        f"vocab {vocab}, tied head, bf16 autocast, {batch} x {tokens} tokens"
+    )
     return Workload(name, model, batches, _next_token_loss, torch.bfloat16,
                     compile_backend if compiled else None,
                     COMPILED_VARIANTS if compiled else DEVICE_VARIANTS, describe)
@@ -184,7 +192,11 @@ def load_user_workload(spec: str, autocast: torch.dtype | None = None,
     fn = _load_function(spec)
     torch.manual_seed(0)
     got = fn()
-    if not isinstance(got, (tuple, list)) or len(got) not in (2, 3) or not isinstance(got[0], nn.Module):
+    if (
+        not isinstance(got, (tuple, list))
+        or len(got) not in (2, 3)
+        or not isinstance(got[0], nn.Module)
+    ):
         raise ValueError(f"--model {spec!r}: the function must return (model, batch) or "
                          f"(model, batch, loss_fn), got {type(got).__name__}")
     model, batch = got[0], got[1]
@@ -225,11 +237,17 @@ def _wrap(name: str, model: nn.Module, device: torch.device, group: dist.Process
     device_ids: list[int | torch.device] | None = [device] if device.type == "cuda" else None
     unused = "find_unused" in name
     if name.startswith("torch DDP"):  # "(again)": the A/A pair that shows the noise
-        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids, process_group=group,
-                                                   find_unused_parameters=unused)
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=device_ids, process_group=group, find_unused_parameters=unused
+        )
     if name.startswith("gradsync"):
-        ddp = gradsync_ddp(model, device_ids=device_ids, process_group=group, find_unused_parameters=unused,
-                           gradient_as_bucket_view="as_view" in name)
+        ddp = gradsync_ddp(
+            model,
+            device_ids=device_ids,
+            process_group=group,
+            find_unused_parameters=unused,
+            gradient_as_bucket_view="as_view" in name,
+        )
         if "no events" in name and ddp.reducer is not None:
             ddp.reducer.configure(record_events=False)
         return ddp
@@ -276,7 +294,9 @@ def _make_variant(name: str, work: Workload, device: torch.device, group: dist.P
     runner: Callable[..., Any] = wrapped
     if work.compile_backend:
         runner = torch.compile(wrapped, backend=work.compile_backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=1e-4, fused=True if device.type == "cuda" else None
+    )
     step = _training_step(work, runner, opt, device)
     step()  # gradients, optimizer state, buckets (and the compiled graphs) exist from here on
     own = None if before is None else memory.allocated() - before  # type: ignore[operator]
@@ -334,7 +354,11 @@ def _warm_device(work: Workload, device: torch.device) -> None:
     before any variant is measured, so the first variant built is not charged for them."""
     model = copy.deepcopy(work.model)
     batch = work.batches[0]
-    with torch.autocast(device.type, dtype=work.autocast) if work.autocast is not None else contextlib.nullcontext():
+    with (
+        torch.autocast(device.type, dtype=work.autocast)
+        if work.autocast is not None
+        else contextlib.nullcontext()
+    ):
         out = _call(model, batch)
     work.loss(out, batch).backward()
     del model, out
@@ -387,7 +411,9 @@ def same_parameters(models: dict[str, nn.Module]) -> dict[str, float]:
     for name, model in models.items():
         if name in (REFERENCE, "no DDP"):
             continue
-        diffs = [(a.detach().float() - b.float()).abs().max() for a, b in zip(model.parameters(), ref)]
+        diffs = [
+            (a.detach().float() - b.float()).abs().max() for a, b in zip(model.parameters(), ref)
+        ]
         out[name] = torch.stack(diffs).max().item() if diffs else 0.0
     return out
 
@@ -421,9 +447,11 @@ def report(name: str, data: dict[str, Any], where: str) -> str:
     extra = {"build s": build} | ({"peak MiB": peak} if peak else {})
     baseline = REFERENCE if REFERENCE in result.samples else result.variants[0]
     lines = [
-        f"### {data['describe'] if data['describe'].startswith(name) else f'{name}: ' + data['describe']}",
-        f"{data['tensors']} parameter tensors, {data['parameters'] / 1e6:.1f} M parameters "
-        f"({data['nbytes'] / 2**20:.1f} MiB); {where}; {data['rounds']} rounds x {data['repeat']} steps",
+        f"""### {data['describe'] if data['describe'].startswith(name)
+                 else f'{name}: ' + data['describe']}""",
+        f"{data['tensors']} parameter tensors, "
+        f"{data['parameters'] / 1e6:.1f} M parameters ({data['nbytes'] / 2**20:.1f} MiB); "
+        f"{where}; {data['rounds']} rounds x {data['repeat']} steps",
         "",
         markdown_table(result, baseline, "torch DDP (again)", "ms", 1e3, extra=extra),
         "",
@@ -432,8 +460,10 @@ def report(name: str, data: dict[str, Any], where: str) -> str:
         cell = _ratio_cell(result, v, b)
         if cell and b != baseline:
             lines.append(f"{head}: {cell}")
-    lines.append("same parameters as torch DDP at the end (max |diff|): "
-                 + (", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()) or "no torch DDP variant"))
+    lines.append(
+        "same parameters as torch DDP at the end (max |diff|): "
+        + (", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()) or "no torch DDP variant")
+    )
     return "\n".join(lines)
 
 
@@ -441,8 +471,12 @@ def summary_json(data: dict[str, Any]) -> dict[str, Any]:
     result: Comparison = data["result"]
     names = result.variants
     out: dict[str, Any] = {
-        "describe": data["describe"], "parameter_tensors": data["tensors"], "parameters": data["parameters"],
-        "gradient_bytes": data["nbytes"], "rounds": data["rounds"], "repeat": data["repeat"],
+        "describe": data["describe"],
+        "parameter_tensors": data["tensors"],
+        "parameters": data["parameters"],
+        "gradient_bytes": data["nbytes"],
+        "rounds": data["rounds"],
+        "repeat": data["repeat"],
         "median_ms": {v: result.median(v) * 1e3 for v in names},
         "iqr_ms": {v: [x * 1e3 for x in result.spread(v)] for v in names},
         "samples_ms": {v: [x * 1e3 for x in result.samples[v]] for v in names},
@@ -489,9 +523,13 @@ def _where(device: torch.device) -> str:
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
         nccl = ".".join(map(str, torch.cuda.nccl.version())) if backend == "nccl" else ""
-        return (f"world size {world} ({backend}{' ' + nccl if nccl else ''}), {name}, torch {torch.__version__}, "
-                f"CUDA {torch.version.cuda}, times from CUDA events")
-    return f"world size {world} ({backend}), CPU, torch {torch.__version__}, times from the host clock"
+        return (
+            f"world size {world} ({backend}{' ' + nccl if nccl else ''}), {name}, "
+            f"torch {torch.__version__}, CUDA {torch.version.cuda}, times from CUDA events"
+        )
+    return (
+        f"world size {world} ({backend}), CPU, torch {torch.__version__}, times from the host clock"
+    )
 
 
 def workloads(args: argparse.Namespace, rank: int, device: torch.device) -> Iterator[Workload]:
@@ -500,7 +538,9 @@ def workloads(args: argparse.Namespace, rank: int, device: torch.device) -> Iter
         yield builtin_workload(name, rank, args.tiny, args.compile_backend, device)
     if args.model:
         autocast = torch.bfloat16 if args.autocast == "bf16" else None
-        yield load_user_workload(args.model, autocast, args.compile_backend if args.compile else None)
+        yield load_user_workload(
+            args.model, autocast, args.compile_backend if args.compile else None
+        )
 
 
 def main(args: argparse.Namespace) -> None:
@@ -528,10 +568,14 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"gradsync bench: variants ended with different parameters: {bad}")
 
 
-def write(args: argparse.Namespace, results: dict[str, dict[str, Any]], where: str) -> dict[str, dict[str, float]]:
+def write(
+    args: argparse.Namespace, results: dict[str, dict[str, Any]], where: str
+) -> dict[str, dict[str, float]]:
     """Print and write rank 0's report; return the models whose variants ended unlike torch DDP."""
-    text = "\n\n".join([f"## gradsync bench --device {args.device}: {where}", summary_table(results)]
-                       + [report(m, d, where) for m, d in results.items()])
+    text = "\n\n".join(
+        [f"## gradsync bench --device {args.device}: {where}", summary_table(results)]
+        + [report(m, d, where) for m, d in results.items()]
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.md").write_text(text + "\n")

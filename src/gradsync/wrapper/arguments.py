@@ -65,9 +65,9 @@ def check_module(module: Any) -> None:
 
 
 def check_keywords(
-    module: Any, device_ids: Any, output_device: Any, dim: Any, process_group: Any, bucket_cap_mb: Any,
-    bucket_cap_mb_list: Any, mixed_precision: Any, device_mesh: Any, delay_all_reduce_named_params: Any,
-    param_to_hook_all_reduce: Any, **flags: Any,
+    module: Any, device_ids: Any, output_device: Any, dim: Any, process_group: Any,
+    bucket_cap_mb: Any, bucket_cap_mb_list: Any, mixed_precision: Any, device_mesh: Any,
+    delay_all_reduce_named_params: Any, param_to_hook_all_reduce: Any, **flags: Any,
 ) -> None:
     """The constructor's keywords, all of them: raise, naming the keyword, for a value of the
     wrong type or out of range, before anything else runs, so no rank enters a collective its
@@ -79,17 +79,21 @@ def check_keywords(
         if not _is_flag(value):
             raise TypeError(f"{name}={value!r}: expected True or False")
     if not isinstance(dim, numbers.Integral) or isinstance(dim, bool):
-        raise TypeError(f"dim={dim!r}: expected an int, the batch dimension of the inputs (0 by default)")
+        raise TypeError(
+            f"dim={dim!r}: expected an int, the batch dimension of the inputs (0 by default)"
+        )
     if device_ids is not None and not isinstance(device_ids, (list, tuple)):
-        raise TypeError(f"device_ids={device_ids!r}: expected a list of one device, e.g. [local_rank], or None")
+        raise TypeError(
+            f"device_ids={device_ids!r}: expected a list of one device, e.g. [local_rank], or None"
+        )
     _check_group(process_group, device_mesh)
     if not (bucket_cap_mb is None or bucket_cap_mb == "auto" or _is_size(bucket_cap_mb)):
         raise _size_error(
-            bucket_cap_mb, f"bucket_cap_mb={bucket_cap_mb!r}: expected a bucket size in MiB (a number "
-            '>= 0, e.g. 25) or "auto" (planned from measurements)')
+            bucket_cap_mb, f"bucket_cap_mb={bucket_cap_mb!r}: expected a bucket size in MiB (a "
+            'number >= 0, e.g. 25) or "auto" (planned from measurements)')
     if bucket_cap_mb_list is not None:
-        message = (f"bucket_cap_mb_list={bucket_cap_mb_list!r}: expected a list of bucket sizes in MiB "
-                   "(numbers >= 0), one a bucket, or None")
+        message = (f"bucket_cap_mb_list={bucket_cap_mb_list!r}: expected a list of bucket "
+                   "sizes in MiB (numbers >= 0), one a bucket, or None")
         if not isinstance(bucket_cap_mb_list, (list, tuple)):
             raise TypeError(message)
         for size in bucket_cap_mb_list:
@@ -123,7 +127,9 @@ def _check_group(group: Any, mesh: Any) -> None:
             "the wrapper only on the group's ranks (if dist.get_rank() in ranks: ...), or pass a "
             "group this rank belongs to."
         )
-    if group is not None and not all(callable(getattr(group, m, None)) for m in ("rank", "size", "allreduce")):
+    if group is not None and not all(
+        callable(getattr(group, m, None)) for m in ("rank", "size", "allreduce")
+    ):
         raise TypeError(
             f"process_group={group!r:.80}: expected a torch.distributed.ProcessGroup (from "
             "dist.new_group(...)) or None for the default group"
@@ -137,7 +143,9 @@ def _check_group(group: Any, mesh: Any) -> None:
 
 def _check_mixed_precision(config: Any) -> None:
     dtypes = {n: getattr(config, n, None) for n in ("param_dtype", "reduce_dtype", "buffer_dtype")}
-    if not hasattr(config, "param_dtype") or not all(d is None or isinstance(d, torch.dtype) for d in dtypes.values()):
+    if not hasattr(config, "param_dtype") or not all(
+        d is None or isinstance(d, torch.dtype) for d in dtypes.values()
+    ):
         raise TypeError(
             f"mixed_precision={config!r:.80}: expected torch's mixed precision config, "
             "torch.nn.parallel.distributed._MixedPrecision(param_dtype=torch.bfloat16, ...), with "
@@ -181,7 +189,9 @@ def resolve_devices(
                     f"Pass {name}=None."
                 )
         return None, None
-    ids = [torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids]
+    ids = [
+        torch.device(d) if not isinstance(d, int) else torch.device("cuda", d) for d in device_ids
+    ]
     if len(ids) != 1:
         raise ValueError(f"device_ids={device_ids}: give exactly one device per process")
     return ids, torch.device(output_device) if output_device is not None else ids[0]
@@ -228,7 +238,9 @@ def trainable_parameters(
 def frozen_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """The parameters left out because they did not require grad (not excluded on purpose)."""
     left_out = ignored(module)
-    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad and n not in left_out]
+    return [
+        (n, p) for n, p in module.named_parameters() if not p.requires_grad and n not in left_out
+    ]
 
 
 def expects_sparse_gradient(module: nn.Module, names: list[str]) -> list[bool]:
@@ -236,7 +248,9 @@ def expects_sparse_gradient(module: nn.Module, names: list[str]) -> list[bool]:
     sparse: set[str] = set()
     for prefix, sub in module.named_modules():
         if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse:
-            sparse.update(f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False))
+            sparse.update(
+                f"{prefix}.{n}" if prefix else n for n, _ in sub.named_parameters(recurse=False)
+            )
     return [n in sparse for n in names]
 
 

@@ -31,7 +31,9 @@ def saved_state(reducer: Reducer | None, auto: AutoBuckets | None, syncs: int) -
     }
 
 
-def restore_layout(state: dict[str, Any], reducer: Reducer | None, auto: AutoBuckets | None) -> None:
+def restore_layout(
+    state: dict[str, Any], reducer: Reducer | None, auto: AutoBuckets | None
+) -> None:
     """The layout, the iteration count and the planner's decision of `saved_state`."""
     if state.get("version") not in (1, 2):
         raise ValueError(f"load_gradsync_state: unknown state version {state.get('version')!r}")

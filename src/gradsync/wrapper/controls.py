@@ -76,7 +76,9 @@ class ReducerControls:
             store = dist.distributed_c10d._get_default_store()
         group = self.process_group
         monitor = StallWatchdog(timedelta(seconds=warn_after), store, group.rank(), group.size())
-        self.reducer.set_stall_monitor(monitor, timedelta(seconds=timeout) if timeout is not None else None)
+        self.reducer.set_stall_monitor(
+            monitor, timedelta(seconds=timeout) if timeout is not None else None
+        )
 
     def save_timing_profile(self, path: str) -> str:
         """Write this rank's measured timings (medians of recent iterations) as JSON, for

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -66,7 +67,6 @@ from .module_guards import (
     check_outputs_hold_tensors,
 )
 from .torch_compat import (
-    ACTIVE_FORWARDS,
     TorchDDP,
     TorchNamedReducer,
     logging_data,
@@ -303,7 +303,8 @@ class DistributedDataParallel(ReducerControls, _Base):
         if sync and self.reducer is not None:
             if self._auto is not None:
                 self._auto.maybe_plan(self.reducer)
-            check_outputs_hold_tensors(output, self.find_unused_parameters or self.static_graph)
+            if self.find_unused_parameters or self.static_graph:  # the graph is searched from them
+                check_outputs_hold_tensors(output, True)
             self.reducer.prepare_for_backward(
                 output, divisor=self._divisor(active), micro_steps=self._take_micro_steps()
             )
@@ -501,6 +502,38 @@ class _Forwards:
     """Synchronised forwards so far (the divergence check's period, checkpointed)."""
     micro_steps: int = 0
     """Forwards with grad since the last synchronised one."""
+
+
+class ActiveForwards:
+    """Which DDP module's forward runs, where dynamo looks for it: torch's own class attribute
+    `_active_ddp_module` (whatever the name `DistributedDataParallel` points to now). A graph
+    compiled meanwhile is split at bucket boundaries (DDPOptimizer), so its gradients come out
+    bucket by bucket and communication overlaps the rest of backward.
+
+    One per process, like the attribute it keeps: wrappers whose forwards overlap (nested, or
+    rank threads of one process) each leave it pointing at one still inside, or None. Saving
+    and restoring "the one before" would not: two threads interleaving can restore a wrapper
+    whose forward has ended, and the class attribute then keeps it alive."""
+
+    def __init__(self) -> None:
+        self._inside: list[object] = []
+        self._lock = threading.Lock()
+
+    @torch.compiler.disable
+    def enter(self, ddp: nn.Module) -> None:
+        with self._lock:
+            self._inside.append(ddp)
+            TorchDDP._active_ddp_module = ddp  # type: ignore[assignment]
+
+    @torch.compiler.disable
+    def leave(self, ddp: nn.Module) -> None:
+        with self._lock:
+            last = len(self._inside) - 1 - self._inside[::-1].index(ddp)
+            del self._inside[last]
+            TorchDDP._active_ddp_module = self._inside[-1] if self._inside else None  # type: ignore[assignment]
+
+
+ACTIVE_FORWARDS = ActiveForwards()
 
 
 class WrapperRef:

@@ -61,16 +61,23 @@ class DelayedAllReduce:
             raise ValueError(
                 f"param_to_hook_all_reduce={trigger!r:.60} must be a parameter that requires grad")
         pairs = isinstance(named, (list, tuple)) and all(
-            isinstance(e, (list, tuple)) and len(e) == 2 and isinstance(e[0], str) and isinstance(e[1], torch.Tensor)
-            for e in named)
+            isinstance(e, (list, tuple))
+            and len(e) == 2
+            and isinstance(e[0], str)
+            and isinstance(e[1], torch.Tensor)
+            for e in named
+        )
         if not pairs:
             raise TypeError(
-                f"delay_all_reduce_named_params={named!r:.60}: expected a list of (name, parameter) "
-                "pairs, e.g. list(model.head.named_parameters(prefix='head'))")
+                f"delay_all_reduce_named_params={named!r:.60}: expected a list of (name, "
+                "parameter) pairs, e.g. list(model.head.named_parameters(prefix='head'))"
+            )
         known = dict(module.named_parameters())
         unknown = [n for n, p in named if known.get(n) is not p]
         if unknown:
-            raise ValueError(f"delay_all_reduce_named_params: {unknown} are not this module's parameters")
+            raise ValueError(
+                f"delay_all_reduce_named_params: {unknown} are not this module's parameters"
+            )
         return cls([p for _, p in named], trigger, group)
 
     def broadcast_from_rank0(self) -> None:

@@ -49,7 +49,9 @@ def check_parameters_in_sync(
         reference = param.detach().clone()
         broadcast_tensors(group, [reference], 0, timeout, "divergence check: rank 0's copy")
         local = (param.detach() - reference).abs().max().double().reshape(1)
-        every = [torch.zeros(1, dtype=torch.float64, device=local.device) for _ in range(group.size())]
+        every = [
+            torch.zeros(1, dtype=torch.float64, device=local.device) for _ in range(group.size())
+        ]
         wait(group.allgather([every], [local]), "divergence check: differences", group, timeout)
         ranks = [r for r, d in enumerate(every) if d.item() > 0]
         worst = max(d.item() for d in every)

@@ -99,7 +99,11 @@ class DDPJoinHook(JoinHook):
 
     def post_hook(self, is_last_joiner: bool) -> None:
         ddp = self.ddp
-        owner = ddp.reducer.shard_owner() if ddp.reducer is not None and ddp.reducer.shard_owner else None
+        owner = (
+            ddp.reducer.shard_owner()
+            if ddp.reducer is not None and ddp.reducer.shard_owner
+            else None
+        )
         if owner is not None:  # a sharded optimizer's gathers still on their way (overlapped)
             owner.wait_parameters()  # type: ignore[attr-defined]
         src = find_common_rank(ddp.process_group, ddp.process_group.rank(), is_last_joiner)

@@ -4,9 +4,9 @@ Under `torchrun --max-restarts`, torch 2.13's launcher gives every restart attem
 TCP store (its own, TORCHELASTIC_USE_AGENT_STORE=True). The previous attempt's keys are still
 there, among them each rank's gloo address; a restarted rank can read the address of a rank that
 died with the previous attempt and fail with "connectFullMesh ... Connection refused" (reproduced
-with torch alone; pytorch/pytorch#167288 reports the same with NCCL). Measured on this machine:
-restarts failed in 2 of 3 runs. `init_process_group` here gives each attempt a key prefix of its
-own, and is torch's otherwise.
+with torch alone, not in every run: figures in docs/benchmarks/design-figures.md#torchrun-restarts;
+pytorch/pytorch#167288 reports the same with NCCL). `init_process_group` here gives each attempt
+a key prefix of its own, and is torch's otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ from ..engine.config import DEFAULT_TIMEOUT
 __all__ = ["init_process_group"]
 
 
-def init_process_group(backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any) -> None:
+def init_process_group(
+    backend: str | None = None, timeout: timedelta | None = None, **kwargs: Any
+) -> None:
     """`torch.distributed.init_process_group`, safe to restart under torchrun.
 
     Use it instead of torch's at the top of a training script launched by torchrun; outside

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..engine.unused import find_tensors
+from ..engine.reducer import find_tensors
 
 __all__ = ["MixedPrecisionParams"]
 
@@ -45,7 +45,9 @@ class MixedPrecisionParams:
 
     def __init__(self, module: nn.Module, config: Any, ignored: set[str]) -> None:
         self.param_dtype: torch.dtype | None = getattr(config, "param_dtype", None)
-        self.reduce_dtype: torch.dtype | None = getattr(config, "reduce_dtype", None) or self.param_dtype
+        self.reduce_dtype: torch.dtype | None = (
+            getattr(config, "reduce_dtype", None) or self.param_dtype
+        )
         self.buffer_dtype: torch.dtype | None = getattr(config, "buffer_dtype", None)
         self.params = [p for n, p in module.named_parameters() if n not in ignored]
         self._full: dict[int, torch.Tensor] = {}
@@ -55,7 +57,8 @@ class MixedPrecisionParams:
         self._before: dict[int, torch.Tensor | None] = {}  # full-precision .grad before forward
         if self.buffer_dtype is not None:
             for name, buf in module.named_buffers():
-                if name not in ignored:  # every one, integer counters too, as torch's `_cast_buffers`
+                # every one, integer counters too, as torch's `_cast_buffers`
+                if name not in ignored:
                     buf.data = buf.to(self.buffer_dtype)
 
     def cast_down(self, sync: bool, written_back: bool = False, sharded: bool = False) -> None:

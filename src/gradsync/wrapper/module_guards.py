@@ -20,8 +20,7 @@ import torch
 from torch import nn
 
 from ..engine.errors import GradSyncError
-from ..engine.reducer import Reducer
-from ..engine.unused import find_tensors
+from ..engine.reducer import Reducer, find_tensors
 
 __all__ = ["ForwardWatcher", "Placement", "UnsynchronisedGradients", "check_outputs_hold_tensors"]
 
@@ -48,21 +47,27 @@ class Placement:
 
     SAMPLE = 4  # checked on every forward: the first and last few (a whole-module move)
 
-    def __init__(self, module: nn.Module, named: list[tuple[str, nn.Parameter]], dtype_swaps: bool) -> None:
+    def __init__(
+        self, module: nn.Module, named: list[tuple[str, nn.Parameter]], dtype_swaps: bool
+    ) -> None:
         owners = dict(module.named_modules())
         self.entries = []
         for name, param in named:
             owner, _, attr = name.rpartition(".")
             self.entries.append((name, owners[owner], attr, param, param.device, param.dtype))
         k = self.SAMPLE
-        self.sample = self.entries if len(self.entries) <= 2 * k else self.entries[:k] + self.entries[-k:]
+        self.sample = (
+            self.entries if len(self.entries) <= 2 * k else self.entries[:k] + self.entries[-k:]
+        )
         self.dtype_swaps = dtype_swaps
 
     def check(self, sample: bool) -> None:
         for name, owner, attr, param, device, dtype in self.sample if sample else self.entries:
             current = owner._parameters.get(attr)
             if current is not param:
-                self._refuse(name, f"was replaced by a new tensor ({_where(current)})", device, dtype)
+                self._refuse(
+                    name, f"was replaced by a new tensor ({_where(current)})", device, dtype
+                )
             if param.device != device or (param.dtype != dtype and not self.dtype_swaps):
                 self._refuse(name, f"is now {_where(param)}", device, dtype)
 

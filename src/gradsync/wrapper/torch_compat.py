@@ -13,8 +13,6 @@ wrapper only through `LoggedWrapper` (torch's public names) and what it is hande
 
 from __future__ import annotations
 
-import threading
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -31,7 +29,6 @@ from ..observability.stats import Stats
 from .views import WrapperView
 
 __all__ = [
-    "ACTIVE_FORWARDS",
     "LoggedWrapper",
     "TorchDDP",
     "TorchNamedReducer",
@@ -56,7 +53,9 @@ def refuse_torch_internals(cls: type) -> type:
         if name in own or name in _INHERITED or name.startswith("__") or name.startswith("_abc"):
             continue
         if callable(member) or isinstance(member, (property, staticmethod, classmethod)):
-            setattr(cls, name, _refusal(f"DistributedDataParallel.{name}", isinstance(member, property)))
+            setattr(
+                cls, name, _refusal(f"DistributedDataParallel.{name}", isinstance(member, property))
+            )
     return cls
 
 
@@ -89,20 +88,8 @@ class TorchNamedReducer(Reducer):
     Lightning's manual optimisation and Accelerate's `trigger_sync_in_backward` call
     `prepare_for_backward(outputs)` themselves after a forward that did not prepare: the
     forwards counted since the last synchronisation (the accumulation check) come from the
-    wrapper then, through `take_micro_steps`, which it sets.
+    wrapper then, through the Reducer's `take_micro_steps`, which it sets.
     """
-
-    # The wrapper's "forwards since the last synchronisation, and reset", held weakly: the
-    # wrapper holds this reducer, and a dead wrapper's count is taken as one forward.
-    take_micro_steps: weakref.WeakMethod[Callable[[], int]] | None = None
-
-    def prepare_for_backward(
-        self, outputs: object = None, divisor: int | None = None, micro_steps: int | None = None
-    ) -> None:
-        if micro_steps is None:  # torch's form, from a framework: reducer.prepare_for_backward(outputs)
-            take = self.take_micro_steps() if self.take_micro_steps is not None else None
-            micro_steps = take() if take is not None else 1
-        super().prepare_for_backward(outputs, divisor, micro_steps)
 
     def _rebuild_buckets(self) -> bool:
         """torch: rebuild the buckets in ready order if due; True if it happened now.
@@ -121,38 +108,6 @@ class TorchNamedReducer(Reducer):
     def _set_static_graph(self) -> None:
         self.set_static_graph()
 
-
-
-class ActiveForwards:
-    """Which DDP module's forward runs, where dynamo looks for it: torch's own class attribute
-    `_active_ddp_module` (whatever the name `DistributedDataParallel` points to now). A graph
-    compiled meanwhile is split at bucket boundaries (DDPOptimizer), so its gradients come out
-    bucket by bucket and communication overlaps the rest of backward.
-
-    One per process, like the attribute it keeps: wrappers whose forwards overlap (nested, or
-    rank threads of one process) each leave it pointing at one still inside, or None. Saving
-    and restoring "the one before" would not: two threads interleaving can restore a wrapper
-    whose forward has ended, and the class attribute then keeps it alive."""
-
-    def __init__(self) -> None:
-        self._inside: list[object] = []
-        self._lock = threading.Lock()
-
-    @torch.compiler.disable
-    def enter(self, ddp: nn.Module) -> None:
-        with self._lock:
-            self._inside.append(ddp)
-            TorchDDP._active_ddp_module = ddp  # type: ignore[assignment]
-
-    @torch.compiler.disable
-    def leave(self, ddp: nn.Module) -> None:
-        with self._lock:
-            last = len(self._inside) - 1 - self._inside[::-1].index(ddp)
-            del self._inside[last]
-            TorchDDP._active_ddp_module = self._inside[-1] if self._inside else None  # type: ignore[assignment]
-
-
-ACTIVE_FORWARDS = ActiveForwards()
 
 
 class LoggedWrapper(WrapperView, Protocol):
@@ -203,10 +158,14 @@ def logging_data(
         "num_parameter_tensors": len(params),
         "total_parameter_size_bytes": sum(p.numel() * p.element_size() for p in params),
         "bucket_sizes": ", ".join(str(s) for s in sizes),
-        "has_rebuilt_buckets": int(bool(reducer is not None and reducer.rebuilt and reducer.iteration)),
+        "has_rebuilt_buckets": int(
+            bool(reducer is not None and reducer.rebuilt and reducer.iteration)
+        ),
         "iteration": reducer.iteration if reducer is not None else 0,
         "join_uneven_inputs": int(join_enabled),
-        "has_sync_bn": int(any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())),
+        "has_sync_bn": int(
+            any(isinstance(m, torch.nn.SyncBatchNorm) for m in ddp.module.modules())
+        ),
         "gradsync": 1,
     }
     data.update(_keys_when_set(ddp, searches_unused))

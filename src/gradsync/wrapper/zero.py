@@ -125,7 +125,11 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         check_optimizer_class(optimizer_class)
         self._ready = False  # until the end: `add_param_group` leaves the first groups to us
         self._join_group(resolve_group(process_group))
-        self.optimizer_class, self.timeout, self._optim_defaults = optimizer_class, timeout, defaults
+        self.optimizer_class, self.timeout, self._optim_defaults = (
+            optimizer_class,
+            timeout,
+            defaults,
+        )
         self.parameters_as_bucket_view = parameters_as_bucket_view  # ZeRO-1: `Partition`
         self.overlap_with_ddp, self.overlap_param_gather = overlap_with_ddp, overlap_param_gather
         super().__init__(params, full_defaults(optimizer_class, defaults))
@@ -159,16 +163,22 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         weakref.finalize(self, remove_all, self._hooks)
 
     def _note_backwards_of(self, params: list[torch.Tensor]) -> None:
-        self._hooks += [p.register_post_accumulate_grad_hook(self._seen) for p in params if p.requires_grad]
+        self._hooks += [
+            p.register_post_accumulate_grad_hook(self._seen) for p in params if p.requires_grad
+        ]
 
-    def _place(self, params_all: list[torch.Tensor], shard_gradients: bool | None, in_flight: int | None) -> None:
+    def _place(
+        self, params_all: list[torch.Tensor], shard_gradients: bool | None, in_flight: int | None
+    ) -> None:
         """Who steps what: this rank's slices of the wrapper's buckets (ZeRO-2), or the
         partition of the parameters (ZeRO-1)."""
-        self._partition = Partition(self.world_size, self.parameters_as_bucket_view)  # empty under ZeRO-2
+        # empty under ZeRO-2
+        self._partition = Partition(self.world_size, self.parameters_as_bucket_view)
         self.reducer: Reducer | None = None  # the wrapper's, when the gradients are sharded
         self._gathers: Gathers | None = None
         self._pieces: list[Piece] = []  # ZeRO-2: this rank's pieces, in bucket order
-        self._had_grad: set[int] = set()  # reducer indices with a gradient since zero_grad(set_to_none=True)
+        # reducer indices with a gradient since zero_grad(set_to_none=True)
+        self._had_grad: set[int] = set()
         wrapper = sharding_wrapper(params_all, shard_gradients)
         if wrapper is not None:
             self._shard_over(wrapper, params_all, in_flight)
@@ -180,14 +190,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         # reducer's synchronised backwards instead, and needs none on its hot path.
         self._note_backwards_of(params_all)
 
-    def _shard_over(self, wrapper: Any, params_all: list[torch.Tensor], in_flight: int | None) -> None:
+    def _shard_over(
+        self, wrapper: Any, params_all: list[torch.Tensor], in_flight: int | None
+    ) -> None:
         """ZeRO-2: this optimizer must hold exactly the wrapper's trainable parameters."""
         check_shardable(wrapper, params_all)
         reducer: Reducer = wrapper.reducer
         self.reducer = wrapper.shard_gradients(in_flight)
         reducer.shard_owner = weakref.ref(self)
         self._pieces = pieces_of(reducer, {id(p): i for i, p in enumerate(params_all)})
-        self._gathers = Gathers(reducer, self._pieces, wrapper.module, self.process_group, self.timeout)
+        self._gathers = Gathers(
+            reducer, self._pieces, wrapper.module, self.process_group, self.timeout
+        )
         weakref.finalize(self, self._gathers.remove_hooks)
 
     def _follow_synchronised_backwards(self, params_all: list[torch.Tensor]) -> None:
@@ -233,14 +247,18 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         from the shards' norms. Returns the total norm."""
         if self.overlap_with_ddp:
             raise RuntimeError(
-                "ZeroRedundancyOptimizer.clip_grad_norm_ with overlap_with_ddp=True: the step has already run, "
-                "inside backward, so there is no moment to clip in; build the optimizer without "
-                "overlap_with_ddp to clip by the global norm"
+                "ZeroRedundancyOptimizer.clip_grad_norm_ with overlap_with_ddp=True: "
+                "the step has already run, inside backward, so there is no moment to clip in; "
+                "build the optimizer without overlap_with_ddp to clip by the global norm"
             )
         if self.reducer is None:
-            return torch.nn.utils.clip_grad_norm_(self._params(), max_norm, norm_type, error_if_nonfinite)
+            return torch.nn.utils.clip_grad_norm_(
+                self._params(), max_norm, norm_type, error_if_nonfinite
+            )
         self._take_shards()
-        return clip_sharded(self._pieces, max_norm, norm_type, self.process_group, self.timeout, error_if_nonfinite)
+        return clip_sharded(
+            self._pieces, max_norm, norm_type, self.process_group, self.timeout, error_if_nonfinite
+        )
 
     def _take_shards(self) -> None:
         assert self.reducer is not None
@@ -272,8 +290,10 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         return self._partition.pieces(self.rank, {id(p): i for i, p in enumerate(self._params())})
 
     def _local_groups(self) -> list[dict[str, Any]]:
-        return [{**{k: v for k, v in g.items() if k != "params"}, "params": [p.tensor for p in mine]}
-                for g, mine in zip(self.param_groups, self._pieces_by_group())]
+        return [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [p.tensor for p in mine]}
+            for g, mine in zip(self.param_groups, self._pieces_by_group())
+        ]
 
     def _local_pieces(self) -> list[Piece]:
         """What the local optimizer steps, in its own order (the order of its state)."""
@@ -288,9 +308,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         after the existing ones, which keep their owners and state."""
         if getattr(self, "reducer", None) is not None:
             raise ValueError(
-                "ZeroRedundancyOptimizer.add_param_group: the gradients are sharded over the wrapper's "
-                "buckets, which this optimizer already holds whole; give every group at construction "
-                "(or pass shard_gradients=False to add groups later)"
+                "ZeroRedundancyOptimizer.add_param_group: the gradients are sharded over the "
+                "wrapper's buckets, which this optimizer already holds whole; give every group at "
+                "construction (or pass shard_gradients=False to add groups later)"
             )
         super().add_param_group(param_group)
         if not getattr(self, "_ready", False):
@@ -316,8 +336,9 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         if self.overlap_with_ddp:
             if closure is not None:
                 raise ValueError(
-                    "ZeroRedundancyOptimizer.step(closure) with overlap_with_ddp=True: the step runs inside "
-                    "backward, where a closure cannot re-evaluate the model; build it without overlap_with_ddp"
+                    "ZeroRedundancyOptimizer.step(closure) with overlap_with_ddp=True: "
+                    "the step runs inside backward, where a closure cannot "
+                    "re-evaluate the model; build it without overlap_with_ddp"
                 )
             return None
         loss = None
@@ -347,15 +368,16 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
             return
         if self.optim is not None and ready:
             self.optim.step()
-        if agreement is not None:  # in flight during the local step, which it refuses before any broadcast
+        # in flight during the local step, which it refuses before any broadcast
+        if agreement is not None:
             finish_agreement(agreement, self.process_group, self.timeout)
         self._partition.broadcast(self.process_group, self.timeout)
 
     def _step_and_gather(self, gathers: Gathers) -> None:
         """Step the slices, then gather them back in the order the next forward needs them.
         (Stepping a few buckets at a time, each group's gathers started while the next one
-        steps, measured slower on loopback: 6.4 against 5.5 ms a step on tiny_gpt, the
-        gathers' copies competing with the step for the same cores.)"""
+        steps, was slower on loopback: the gathers' copies compete with the step for the same
+        cores; figures: docs/benchmarks/design-figures.md#zero-grouped-steps-and-gathers.)"""
         if self.optim is not None:
             self.optim.step()
         if self.overlap_param_gather:
@@ -409,15 +431,24 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather every rank's optimizer state onto rank `to` (call on every rank)."""
         if not 0 <= to < self.world_size:
-            raise ValueError(f"consolidate_state_dict(to={to}): expected a rank in 0..{self.world_size - 1}")
-        self._consolidated = zero_state.consolidate(self.optim, self._local_pieces(), self.param_groups,
-                                                    self.process_group, self.timeout, to)
+            raise ValueError(
+                f"consolidate_state_dict(to={to}): expected a rank in 0..{self.world_size - 1}"
+            )
+        self._consolidated = zero_state.consolidate(
+            self.optim,
+            self._local_pieces(),
+            self.param_groups,
+            self.process_group,
+            self.timeout,
+            to,
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The whole optimizer's state, on the rank `consolidate_state_dict(to=...)` named."""
         if self._consolidated is None:
             raise RuntimeError(
-                f"ZeroRedundancyOptimizer.state_dict on rank {self.rank}: call consolidate_state_dict(to=r) "
+                f"ZeroRedundancyOptimizer.state_dict on rank {self.rank}: "
+                "call consolidate_state_dict(to=r) "
                 "on every rank first; then rank r holds the whole state"
             )
         return self._consolidated
@@ -431,10 +462,15 @@ class ZeroRedundancyOptimizer(Optimizer, Joinable):
         total = sum(len(g["params"]) for g in self.param_groups)
         if self.reducer is not None:
             numel = sum(p.numel for p in self._pieces)
-            return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
-                    f"{self.world_size}, gradients sharded: steps {numel} elements of {total} parameters)")
-        return (f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} of "
-                f"{self.world_size}, owns {self._partition.owned(self.rank)} of {total} parameters)")
+            return (
+                f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, "
+                f"rank {self.rank} of {self.world_size}, gradients sharded: "
+                f"steps {numel} elements of {total} parameters)"
+            )
+        return (
+            f"gradsync.ZeroRedundancyOptimizer({self.optimizer_class.__name__}, rank {self.rank} "
+            f"of {self.world_size}, owns {self._partition.owned(self.rank)} of {total} parameters)"
+        )
 
 
 def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer,
@@ -446,9 +482,11 @@ def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancy
     del shard_buckets
     if not isinstance(zero, ZeroRedundancyOptimizer) or not zero.overlap_with_ddp:
         raise ValueError(
-            "hook_with_zero_step: the optimizer must be a gradsync.ZeroRedundancyOptimizer constructed with "
+            "hook_with_zero_step: the optimizer must be a "
+            "gradsync.ZeroRedundancyOptimizer constructed with "
             f"overlap_with_ddp=True, got {type(zero).__name__}"
-            f"{'' if not isinstance(zero, ZeroRedundancyOptimizer) else ' with overlap_with_ddp=False'}"
+            f"""{'' if not isinstance(zero, ZeroRedundancyOptimizer)
+                 else ' with overlap_with_ddp=False'}"""
         )
     if zero.synced_by is not getattr(ddp, "reducer", None):
         raise ValueError(
@@ -458,7 +496,8 @@ def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancy
     return hook
 
 
-def hook_with_zero_step_interleaved(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer,
-                                    shard_buckets: bool = False) -> Callable[..., Any]:
+def hook_with_zero_step_interleaved(
+    hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool = False
+) -> Callable[..., Any]:
     """torch's interleaved variant; gradsync's step is the same either way (`hook_with_zero_step`)."""
     return hook_with_zero_step(hook, ddp, zero, shard_buckets)

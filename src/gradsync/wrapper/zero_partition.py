@@ -29,7 +29,8 @@ class Partition:
         self.as_bucket_view = as_bucket_view
         self.groups: list[list[list[torch.Tensor]]] = []  # [group][rank] -> parameters
         self.loads = [0] * world_size  # elements owned per rank so far
-        self.flats: list[tuple[int, torch.Tensor]] = []  # (owner, a flat buffer its parameters view)
+        # (owner, a flat buffer its parameters view)
+        self.flats: list[tuple[int, torch.Tensor]] = []
         self.viewed: set[int] = set()  # ids of the parameters that view one
 
     def add_group(self, params: list[torch.Tensor]) -> None:
@@ -69,13 +70,18 @@ class Partition:
     def pieces(self, rank: int, position: dict[int, int]) -> list[list[Piece]]:
         """`rank`'s parameters per group, each a whole piece; `position` maps id(parameter)
         to its index over all groups."""
-        return [[Piece(position[id(p)], 0, p.numel(), True, p, None) for p in part[rank]] for part in self.groups]
+        return [
+            [Piece(position[id(p)], 0, p.numel(), True, p, None) for p in part[rank]]
+            for part in self.groups
+        ]
 
     def broadcast(self, group: dist.ProcessGroup, timeout: timedelta) -> None:
         """Every owner's broadcasts in flight at once (as torch's class), then waited for."""
         broadcasts = Broadcasts(group, timeout)
         for rank, buffer in self.flats:
-            broadcasts.start_in_place(buffer, rank, f"broadcast of the parameters rank {rank} stepped")
+            broadcasts.start_in_place(
+                buffer, rank, f"broadcast of the parameters rank {rank} stepped"
+            )
         for rank in range(len(self.loads)):
             owned = [p for part in self.groups for p in part[rank] if id(p) not in self.viewed]
             if owned:

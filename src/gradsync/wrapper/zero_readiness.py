@@ -39,7 +39,9 @@ class BackwardSeen:
         return seen
 
 
-def start_agreement(group: dist.ProcessGroup, param_groups: list[dict[str, Any]], seen: bool) -> GatheringInts:
+def start_agreement(
+    group: dist.ProcessGroup, param_groups: list[dict[str, Any]], seen: bool
+) -> GatheringInts:
     """Start agreeing that every rank is ready for this step (the same parameter groups, a
     backward since its last step), to finish after this rank's local step: the round trip hides
     behind the step."""
@@ -47,7 +49,9 @@ def start_agreement(group: dist.ProcessGroup, param_groups: list[dict[str, Any]]
     return start_all_gather_ints(group, mine)
 
 
-def finish_agreement(agreement: GatheringInts, group: dist.ProcessGroup, timeout: timedelta) -> None:
+def finish_agreement(
+    agreement: GatheringInts, group: dist.ProcessGroup, timeout: timedelta
+) -> None:
     """Refuse, on every rank alike, a step some rank was not ready for, before any parameter
     is sent: the ranks that were have stepped their own share (a rank with no backward has
     not), so the error leaves the ranks' parameters apart; it is an error to stop on."""
@@ -66,17 +70,23 @@ def finish_agreement(agreement: GatheringInts, group: dist.ProcessGroup, timeout
         )
 
 
-def check_own_backward(reducer: Reducer | None, syncs: int, seen: bool, group: dist.ProcessGroup) -> None:
-    """Without the agreement collective (sharded gradients: a per-step round trip, 2-3 % of
-    a small model's step on loopback, and the groups cannot change since `add_param_group`
-    is refused; a device group: no host read per step) a rank without a backward knows it.
+def check_own_backward(
+    reducer: Reducer | None, syncs: int, seen: bool, group: dist.ProcessGroup
+) -> None:
+    """Without the agreement collective (sharded gradients: a per-step round trip saved,
+    figures in docs/benchmarks/design-figures.md#zero-agreement-round-trip, and the groups
+    cannot change since `add_param_group` is refused; a device group: no host read per step) a
+    rank without a backward knows it.
     It raises here; a rank that did run one is then waiting in a collective this rank never
     joins, and raises within its timeout (the process group's, on a device group).
     `syncs`: the reducer's count of synchronised backwards at the last step."""
     if reducer is not None:
         if reducer.reductions > syncs:
             return
-        what = ("synchronised backward", "the gradients are sharded only by a backward outside no_sync(); ")
+        what = (
+            "synchronised backward",
+            "the gradients are sharded only by a backward outside no_sync(); ",
+        )
     elif seen:
         return
     else:

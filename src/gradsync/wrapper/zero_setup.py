@@ -25,7 +25,9 @@ __all__ = [
 
 def check_optimizer_class(optimizer_class: Any) -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+        raise TypeError(
+            f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}"
+        )
 
 
 def resolve_group(process_group: dist.ProcessGroup | None) -> dist.ProcessGroup:
@@ -45,17 +47,20 @@ def full_defaults(optimizer_class: type[Optimizer], defaults: dict[str, Any]) ->
 
 def check_unique(params: list[torch.Tensor]) -> None:
     if len({id(p) for p in params}) != len(params):
-        raise ValueError("ZeroRedundancyOptimizer: a parameter appears twice in the parameter groups")
+        raise ValueError(
+            "ZeroRedundancyOptimizer: a parameter appears twice in the parameter groups"
+        )
 
 
 def check_overlap_target(params: list[torch.Tensor]) -> None:
     """`overlap_with_ddp=True` needs one live gradsync wrapper holding all these parameters."""
     if reducer_of(params) is None:
         raise ValueError(
-            "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside the backward of the "
-            "gradsync.DistributedDataParallel whose parameters it holds: its trainable parameters must "
-            "all be one live gradsync wrapper's (wrap the model with gradsync.DistributedDataParallel "
-            "first; over torch's DDP use torch's class and its ddp_zero_hook), or leave overlap_with_ddp out"
+            "ZeroRedundancyOptimizer(overlap_with_ddp=True) steps inside the backward "
+            "of the gradsync.DistributedDataParallel whose parameters it holds: "
+            "its trainable parameters must all be one live gradsync wrapper's (wrap "
+            "the model with gradsync.DistributedDataParallel first; over torch's DDP "
+            "use torch's class and its ddp_zero_hook), or leave overlap_with_ddp out"
         )
 
 
@@ -63,8 +68,10 @@ def sharding_wrapper(params: list[torch.Tensor], shard_gradients: bool | None) -
     """The wrapper whose gradients to shard (ZeRO-2), or None for ZeRO-1."""
     wrapper = _wrapper_of(params) if shard_gradients is not False else None
     if wrapper is None and shard_gradients:
-        raise ValueError("ZeroRedundancyOptimizer(shard_gradients=True): the parameters must belong to a "
-                         "gradsync.DistributedDataParallel (wrap the model first, then build the optimizer)")
+        raise ValueError(
+            "ZeroRedundancyOptimizer(shard_gradients=True): the parameters must belong to a "
+            "gradsync.DistributedDataParallel (wrap the model first, then build the optimizer)"
+        )
     return wrapper
 
 
@@ -86,15 +93,18 @@ def check_shardable(wrapper: Any, params: list[torch.Tensor]) -> None:
     if missing or extra:
         named = {id(p): n for n, p in wrapper.module.named_parameters()}
         raise ValueError(
-            "ZeroRedundancyOptimizer: to shard the gradients it must hold every trainable parameter of "
-            f"its gradsync.DistributedDataParallel and no others; missing: {missing[:8] or 'none'}"
-            f"{' ...' if len(missing) > 8 else ''}; not synchronised by that wrapper: "
-            f"{[named.get(i, '?') for i in extra][:8] or 'none'}. Give all of the wrapper's parameters to "
-            "one sharded optimizer (parameter groups may differ), or pass shard_gradients=False (ZeRO-1)."
+            "ZeroRedundancyOptimizer: to shard the gradients it must hold every trainable "
+            "parameter of its gradsync.DistributedDataParallel and no others; missing: "
+            f"{missing[:8] or 'none'}{' ...' if len(missing) > 8 else ''}; not synchronised by "
+            f"that wrapper: {[named.get(i, '?') for i in extra][:8] or 'none'}. Give all of the "
+            "wrapper's parameters to one sharded optimizer (parameter groups may differ), or pass "
+            "shard_gradients=False (ZeRO-1)."
         )
     if reducer.shard_owner is not None and reducer.shard_owner() is not None:
-        raise ValueError("ZeroRedundancyOptimizer: another sharded optimizer already holds this wrapper's "
-                         "gradients; build one per wrapper")
+        raise ValueError(
+            "ZeroRedundancyOptimizer: another sharded optimizer already holds this wrapper's "
+            "gradients; build one per wrapper"
+        )
     check_dense(reducer)
 
 
@@ -102,7 +112,9 @@ def reducer_of(params: list[torch.Tensor]) -> Reducer | None:
     """The reducer of the one live gradsync wrapper all these trainable parameters belong to."""
     trainable = [p for p in params if p.requires_grad]
     wrappers = _wrappers(trainable)
-    if len(wrappers) != 1 or any(getattr(p, "_gradsync_wrapper", _none)() is None for p in trainable):
+    if len(wrappers) != 1 or any(
+        getattr(p, "_gradsync_wrapper", _none)() is None for p in trainable
+    ):
         return None
     return next(iter(wrappers.values())).reducer
 
@@ -112,9 +124,9 @@ def _wrapper_of(params: list[torch.Tensor]) -> Any:
     found = _wrappers(params)
     if len(found) > 1:
         raise ValueError(
-            f"ZeroRedundancyOptimizer: the parameters belong to {len(found)} gradsync.DistributedDataParallel "
-            "wrappers; to shard gradients give each wrapper's parameters to an optimizer of their own, "
-            "or pass shard_gradients=False"
+            f"ZeroRedundancyOptimizer: the parameters belong to {len(found)} "
+            "gradsync.DistributedDataParallel wrappers; to shard gradients give each "
+            "wrapper's parameters to an optimizer of their own, or pass shard_gradients=False"
         )
     return next(iter(found.values()), None)
 

@@ -35,7 +35,16 @@ from ..engine.collectives import all_reduce, wait
 from ..engine.pool import BufferPool
 from ..engine.reducer import Reducer
 
-__all__ = ["Gathers", "Piece", "check_dense", "clip_sharded", "flat", "group_pieces", "pieces_of", "set_piece_grads"]
+__all__ = [
+    "Gathers",
+    "Piece",
+    "check_dense",
+    "clip_sharded",
+    "flat",
+    "group_pieces",
+    "pieces_of",
+    "set_piece_grads",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +66,15 @@ def flat(param: torch.Tensor) -> torch.Tensor:
 
 
 def check_dense(reducer: Reducer) -> None:
-    gaps = [n for n, p in zip(reducer.names, reducer.params) if not (p.is_contiguous() or is_dense_permutation(p))]
+    gaps = [
+        n
+        for n, p in zip(reducer.names, reducer.params)
+        if not (p.is_contiguous() or is_dense_permutation(p))
+    ]
     if gaps:
         raise ValueError(
-            f"ZeroRedundancyOptimizer: cannot shard the gradients of parameters whose memory has gaps "
-            f"({', '.join(gaps[:5])}); make them contiguous, or pass shard_gradients=False"
+            "ZeroRedundancyOptimizer: cannot shard the gradients of parameters whose memory has "
+            f"gaps ({', '.join(gaps[:5])}); make them contiguous, or pass shard_gradients=False"
         )
 
 
@@ -78,7 +91,11 @@ def pieces_of(reducer: Reducer, position: dict[int, int]) -> list[Piece]:
             param = reducer.params[j]
             whole = a == offset and e == offset + length
             tensor = param.detach() if whole else flat(param)[a - offset:e - offset]
-            grad = view_like(bucket.shard, a - lo, param) if whole else bucket.shard.narrow(0, a - lo, e - a)
+            grad = (
+                view_like(bucket.shard, a - lo, param)
+                if whole
+                else bucket.shard.narrow(0, a - lo, e - a)
+            )
             pieces.append(Piece(position[id(param)], a - offset, e - a, whole, tensor, grad, j))
     return pieces
 
@@ -92,7 +109,9 @@ def group_pieces(pieces: Sequence[Piece], group_sizes: Sequence[int]) -> list[li
     return by_group
 
 
-def set_piece_grads(pieces: Sequence[Piece], used: Sequence[int] | None, had_grad: set[int]) -> None:
+def set_piece_grads(
+    pieces: Sequence[Piece], used: Sequence[int] | None, had_grad: set[int]
+) -> None:
     """Give each piece its shard slice as `.grad`. Where its parameter was unused on every
     rank, DDP leaves `.grad` untouched: None if it had none (the optimizer skips it), else the
     zeros `zero_grad(set_to_none=False)` left, which is what the shard holds (`had_grad`:
@@ -117,14 +136,16 @@ class Gathers:
         self._mine: list[list[torch.Tensor]] = [[] for _ in self.buckets]
         bucket_of = {j: b for b, bucket in enumerate(self.buckets) for j in bucket.param_indices}
         for piece in pieces:  # in bucket order, covering each bucket's slice in order
-            self._mine[bucket_of[piece.reducer_index]].append(flat(piece.tensor) if piece.whole else piece.tensor)
+            self._mine[bucket_of[piece.reducer_index]].append(
+                flat(piece.tensor) if piece.whole else piece.tensor
+            )
         # What `finish` writes: the parts of the parameters outside this rank's slice (its own
         # part is what its optimizer stepped, in place), as (before, after) the slice.
         self._others = [_outside(bucket) for bucket in self.buckets]
-        # gloo's all-gather copies its output and is slower than one broadcast per rank (16 MiB,
-        # 2 ranks: 18 vs 5 ms on loopback, 55 vs 40 ms at 2 Gbit/s): where the buckets were not
-        # reduce-scattered by the backend (host backends) the slices are broadcast; device
-        # backends all-gather.
+        # gloo's all-gather copies its output and is slower than one broadcast per rank
+        # (figures: docs/benchmarks/design-figures.md#gloo-all-gather-against-broadcasts): where
+        # the buckets were not reduce-scattered by the backend (host backends) the slices are
+        # broadcast; device backends all-gather.
         self._by_broadcasts = reducer.shards_reduced_by != "reduce_scatter"
         # Gather buffers are borrowed from the reducer's pool: the buckets' buffers are idle
         # from the end of backward to the next fill, which is when parameters are gathered.
@@ -153,7 +174,9 @@ class Gathers:
                     self.finish([next(iter(self._pending))])  # started first (dicts keep order)
                 bucket = self.buckets[b]
                 chunk, rank = bucket.shard.numel(), self.group.rank()
-                lent = self._pool.take(chunk * self.group.size(), bucket.shard.dtype, bucket.shard.device)
+                lent = self._pool.take(
+                    chunk * self.group.size(), bucket.shard.dtype, bucket.shard.device
+                )
                 full = lent.narrow(0, 0, chunk * self.group.size())
                 if self._mine[b]:  # past this rank's pieces: padding, never read back
                     torch._foreach_copy_(_runs(full, rank * chunk, self._mine[b]), self._mine[b])
@@ -161,7 +184,9 @@ class Gathers:
 
     def _gather(self, full: torch.Tensor, chunk: int) -> list[dist.Work]:
         if not self._by_broadcasts:  # in place: each rank's slice is already where it belongs
-            return [self.group._allgather_base(full, full.narrow(0, self.group.rank() * chunk, chunk))]
+            return [
+                self.group._allgather_base(full, full.narrow(0, self.group.rank() * chunk, chunk))
+            ]
         works = []
         for root in range(self.group.size()):
             options = dist.BroadcastOptions()
@@ -181,7 +206,9 @@ class Gathers:
             (before, stop, after) = self._others[b]
             if before or after:  # nothing at world size 1: every part is this rank's
                 with torch.no_grad():
-                    torch._foreach_copy_(before + after, _runs(lent, 0, before) + _runs(lent, stop, after))
+                    torch._foreach_copy_(
+                        before + after, _runs(lent, 0, before) + _runs(lent, stop, after)
+                    )
             self._pool.give(lent)
 
     def finish_all(self) -> None:
@@ -215,7 +242,9 @@ def _runs(buffer: torch.Tensor, start: int, tensors: Sequence[torch.Tensor]) -> 
     return list(buffer.narrow(0, start, sum(lengths)).split(lengths)) if lengths else []
 
 
-def _attach(gathers: Gathers, module: nn.Module, reducer: Reducer, bucket_of: dict[int, int]) -> list:
+def _attach(
+    gathers: Gathers, module: nn.Module, reducer: Reducer, bucket_of: dict[int, int]
+) -> list:
     """Forward pre-hooks that finish, before a module runs, the gathers of the buckets holding
     its own parameters; hooks that finish everything after the whole forward and before a
     state dict is taken. They hold the gathers weakly."""
@@ -223,7 +252,9 @@ def _attach(gathers: Gathers, module: nn.Module, reducer: Reducer, bucket_of: di
     index = {id(p): j for j, p in enumerate(reducer.params)}
     handles = []
     for sub in module.modules():
-        buckets = sorted({bucket_of[index[id(p)]] for p in sub.parameters(recurse=False) if id(p) in index})
+        buckets = sorted(
+            {bucket_of[index[id(p)]] for p in sub.parameters(recurse=False) if id(p) in index}
+        )
         if buckets:
             handles.append(sub.register_forward_pre_hook(_Before(me, buckets)))
     everything = _All(me)
@@ -252,26 +283,31 @@ class _All:
             live.finish_all()
 
 
-def clip_sharded(pieces: Sequence[Piece], max_norm: float, norm_type: float, group: dist.ProcessGroup,
-                 timeout: timedelta, error_if_nonfinite: bool) -> torch.Tensor:
+def clip_sharded(
+    pieces: Sequence[Piece], max_norm: float, norm_type: float, group: dist.ProcessGroup,
+    timeout: timedelta, error_if_nonfinite: bool,
+) -> torch.Tensor:
     """torch.nn.utils.clip_grad_norm_ over every rank's pieces: the global norm from the
     shards' norms (one all-reduce), then every shard scaled by the same coefficient."""
     grads = [p.tensor.grad for p in pieces if p.tensor.grad is not None]
     device = pieces[0].grad.device if pieces and pieces[0].grad is not None else torch.device("cpu")
     norm_type = float(norm_type)
-    local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type)
+    local = (torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, norm_type)
+                                                   for g in grads]), norm_type)
              if grads else torch.zeros((), device=device))
     local = local.to(torch.float32).reshape(1)
     if norm_type == float("inf"):
-        total = all_reduce(group, local, dist.ReduceOp.MAX, "all-reduce of the gradient norm", timeout)[0]
+        total = all_reduce(group, local, dist.ReduceOp.MAX, "all-reduce of the gradient norm",
+                           timeout)[0]
     else:
-        powered = all_reduce(group, local.pow(norm_type), dist.ReduceOp.SUM, "all-reduce of the gradient norm", timeout)
+        powered = all_reduce(group, local.pow(norm_type), dist.ReduceOp.SUM,
+                             "all-reduce of the gradient norm", timeout)
         total = powered[0].pow(1.0 / norm_type)
     if error_if_nonfinite and not torch.isfinite(total):
         raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from the optimizer's parameters is non-finite, "
-            "so it cannot be clipped. To disable this error and scale the gradients by the non-finite norm "
-            "anyway, set `error_if_nonfinite=False`"
+            f"The total norm of order {norm_type} for gradients from the optimizer's "
+            "parameters is non-finite, so it cannot be clipped. To disable this error and "
+            "scale the gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
         )
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     if grads:

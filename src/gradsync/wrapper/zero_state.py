@@ -31,7 +31,9 @@ def consolidate(optim: Optimizer | None, pieces: list[Piece], param_groups: list
     the whole state dict; the others None. `pieces`: what `optim` steps, in its order."""
     local = optim.state_dict()["state"] if optim is not None else {}
     # Local state keys run over the local pieces in order.
-    mine = [(p.index, p.start, p.numel, p.whole, local[i]) for i, p in enumerate(pieces) if i in local]
+    mine = [
+        (p.index, p.start, p.numel, p.whole, local[i]) for i, p in enumerate(pieces) if i in local
+    ]
     gathered = all_gather_objects(group, mine, timeout)
     if group.rank() != to:
         return None
@@ -40,7 +42,10 @@ def consolidate(optim: Optimizer | None, pieces: list[Piece], param_groups: list
     for part in gathered:
         for index, start, numel, whole, state in part:  # type: ignore[attr-defined]
             by_param.setdefault(index, []).append((start, numel, whole, state))
-    merged = {i: _join_pieces(params[i], sorted(shares, key=lambda t: t[0])) for i, shares in by_param.items()}
+    merged = {
+        i: _join_pieces(params[i], sorted(shares, key=lambda t: t[0]))
+        for i, shares in by_param.items()
+    }
     return {"state": dict(sorted(merged.items())), "param_groups": _global_groups(param_groups)}
 
 
@@ -60,8 +65,10 @@ def load(optim: Optimizer | None, pieces: list[Piece], param_groups: list[dict[s
     local = optim.state_dict()
     local["state"] = {i: _cut_piece(params[p.index], p, state[p.index])
                       for i, p in enumerate(pieces) if p.index in state}
-    local["param_groups"] = [{**{k: v for k, v in g.items() if k != "params"}, "params": lg["params"]}
-                             for g, lg in zip(param_groups, local["param_groups"])]
+    local["param_groups"] = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": lg["params"]}
+        for g, lg in zip(param_groups, local["param_groups"])
+    ]
     optim.load_state_dict(local)
 
 
@@ -70,8 +77,8 @@ def _check_groups(groups: Any, param_groups: list[dict[str, Any]]) -> None:
     if not isinstance(groups, list) or [len(g["params"]) for g in groups] != ours:
         sizes = [len(g["params"]) for g in groups] if isinstance(groups, list) else groups
         raise ValueError(
-            f"ZeroRedundancyOptimizer.load_state_dict: the dict's parameter groups hold {sizes} parameters, "
-            f"this optimizer's {ours} ({sum(ours)} in all)"
+            "ZeroRedundancyOptimizer.load_state_dict: the dict's parameter groups "
+            f"hold {sizes} parameters, this optimizer's {ours} ({sum(ours)} in all)"
         )
 
 
@@ -112,7 +119,9 @@ def _cut_piece(param: torch.Tensor, piece: Piece, state: dict[str, Any]) -> dict
     cut: dict[str, Any] = {}
     for key, value in state.items():
         if torch.is_tensor(value) and value.shape == param.shape:
-            laid = torch.empty_strided(param.size(), param.stride(), dtype=value.dtype, device=value.device)
+            laid = torch.empty_strided(
+                param.size(), param.stride(), dtype=value.dtype, device=value.device
+            )
             laid.copy_(value)
             cut[key] = flat(laid)[piece.start:piece.start + piece.numel].clone()
         else:

@@ -29,12 +29,16 @@ class Net(nn.Module):
 
     def __init__(self, spare: bool = False) -> None:
         super().__init__()
-        self.body = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh())
+        self.body = nn.Sequential(
+            nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN), nn.Tanh()
+        )
         self.head = nn.Linear(HIDDEN, CLASSES)
         self.spare = nn.Linear(HIDDEN, CLASSES) if spare else None
         self.losses: list[float] = []
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, labels: torch.Tensor | None = None
+    ) -> dict[str, torch.Tensor]:
         logits = self.head(self.body(x))
         out = {"logits": logits}
         if labels is not None:

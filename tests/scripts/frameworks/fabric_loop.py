@@ -22,7 +22,9 @@ def accumulate(out_dir: str, impl: str) -> None:
             fabric.clip_gradients(model, optimizer, max_norm=0.5)
             optimizer.step()
             optimizer.zero_grad()
-    common.record(out_dir, "fabric", impl, "no_backward_sync", net, net.losses, model._forward_module)
+    common.record(
+        out_dir, "fabric", impl, "no_backward_sync", net, net.losses, model._forward_module
+    )
 
 
 if __name__ == "__main__":

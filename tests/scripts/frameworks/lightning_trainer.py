@@ -46,8 +46,14 @@ class Lit(L.LightningModule):
         return torch.utils.data.DataLoader(common.Points(), batch_size=4, shuffle=False)
 
 
-def fit(out_dir: str, impl: str, config: str, manual: bool = False, strategy: DDPStrategy | None = None,
-        **trainer_args: object) -> None:
+def fit(
+    out_dir: str,
+    impl: str,
+    config: str,
+    manual: bool = False,
+    strategy: DDPStrategy | None = None,
+    **trainer_args: object,
+) -> None:
     lit = Lit(manual)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy or DDPStrategy(), max_steps=4, logger=False,
@@ -59,14 +65,26 @@ def fit(out_dir: str, impl: str, config: str, manual: bool = False, strategy: DD
 
 
 if __name__ == "__main__":
-    common.main("lightning", {
-        "automatic": lambda o, i: fit(o, i, "automatic", accumulate_grad_batches=2, gradient_clip_val=0.5),
-        "manual": lambda o, i: fit(o, i, "manual", manual=True),
-        "manual_static_graph": lambda o, i: fit(o, i, "manual_static_graph", manual=True,
-                                                strategy=DDPStrategy(static_graph=True)),
-        # static_graph with accumulate_grad_batches: torch's own DDP fails (an internal assert in
-        # its reducer, expect_autograd_hooks_), so there is nothing to compare with.
-        "static_graph_hook": lambda o, i: fit(o, i, "static_graph_hook", gradient_clip_val=0.5,
-                                              strategy=HookOnCPU(static_graph=True,
-                                                                 ddp_comm_hook=default_hooks.fp16_compress_hook)),
-    })
+    common.main(
+        "lightning",
+        {
+            "automatic": lambda o, i: fit(
+                o, i, "automatic", accumulate_grad_batches=2, gradient_clip_val=0.5
+            ),
+            "manual": lambda o, i: fit(o, i, "manual", manual=True),
+            "manual_static_graph": lambda o, i: fit(
+                o, i, "manual_static_graph", manual=True, strategy=DDPStrategy(static_graph=True)
+            ),
+            # static_graph with accumulate_grad_batches: torch's own DDP fails (an internal assert
+            # in its reducer, expect_autograd_hooks_), so there is nothing to compare with.
+            "static_graph_hook": lambda o, i: fit(
+                o,
+                i,
+                "static_graph_hook",
+                gradient_clip_val=0.5,
+                strategy=HookOnCPU(
+                    static_graph=True, ddp_comm_hook=default_hooks.fp16_compress_hook
+                ),
+            ),
+        },
+    )
