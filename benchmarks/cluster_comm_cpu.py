@@ -5,7 +5,7 @@ for a few seconds, the machine's busy CPU time from /proc/stat less its idle bas
 (`gradsync.planning.planner.measure_comm_cpu`, the bench's "links' CPU"). Prints one markdown
 row per rate and size: wall time and CPU time per all-reduce, every core together.
 
-    sudo .venv/bin/python benchmarks/cluster_comm_cpu.py                       # 1, 2, 4 Gbit/s, unshaped
+    sudo .venv/bin/python benchmarks/cluster_comm_cpu.py  # 1, 2, 4 Gbit/s, unshaped
     sudo .venv/bin/python benchmarks/cluster_comm_cpu.py --links 2gbit,none --sizes 16
 
 Why: overlap hides an all-reduce's wall time, not the CPU it takes from compute. On this machine

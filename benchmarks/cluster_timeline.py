@@ -6,8 +6,9 @@ call, which includes waiting for every bucket and the write-back), optimizer ste
 step in ms, and for gradsync's variants, in ms since backward began, the first gradient ready,
 each bucket's launch `L<b>` and completion `C<b>`, the end of backward and the finish.
 
-    sudo .venv/bin/python benchmarks/cluster_timeline.py                          # residual MLP, 2 Gbit/s
-    sudo .venv/bin/python benchmarks/cluster_timeline.py --link 1gbit --variants torch,25,2,L0.5_2,minimal
+    sudo .venv/bin/python benchmarks/cluster_timeline.py  # residual MLP, 2 Gbit/s
+    sudo .venv/bin/python benchmarks/cluster_timeline.py --link 1gbit \
+        --variants torch,25,2,L0.5_2,minimal
 
 Variants: `torch` (torch's DDP), `plain` (no communication), a number (gradsync with that
 `bucket_cap_mb`), `L<a>_<b>_...` (gradsync with an explicit layout: buckets of a, b, ... MiB

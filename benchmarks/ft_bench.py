@@ -1,7 +1,7 @@
 """gradsync under torchft against torchft's own DDP and against gradsync without fault tolerance,
 on the emulated cluster (two hosts, one replica each, links shaped to `--link`; root only).
 
-    sudo .venv/bin/python benchmarks/ft_bench.py                      # 2 Gbit/s, residual_mlp and gpt_16mib
+    sudo .venv/bin/python benchmarks/ft_bench.py  # 2 Gbit/s, residual_mlp and gpt_16mib
     sudo .venv/bin/python benchmarks/ft_bench.py --link 1gbit --rounds 8 --steps 12
 
 Each host runs one process holding all three variants side by side, started from the same seed:

@@ -25,7 +25,7 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
     caught per case); mixed precision trains torch's twice (is it deterministic?), gradsync's,
     and a one-process reference with torch's arithmetic, and reports every pairwise difference.
 
-    python benchmarks/gpu_check.py --only B        # rerun the (B) half alone ("--only A3": one check)
+    python benchmarks/gpu_check.py --only B  # rerun the (B) half alone ("--only A3": one check)
 """
 
 from __future__ import annotations
@@ -492,7 +492,8 @@ def _mixed_policy() -> Any:
 def _train(
     rank: int, group: dist.ProcessGroup, cls: type, device: torch.device, spec: dict
 ) -> tuple[list, int]:
-    """B_STEPS steps of SGD with momentum on this rank's data; parameters then float buffers, on CPU."""
+    """B_STEPS steps of SGD with momentum on this rank's data; parameters then float buffers, on
+    CPU."""
     spec = dict(spec)
     hook, mixed, branch, no_sync = (
         spec.pop("hook", None),

@@ -10,7 +10,8 @@ second torch DDP instance, the A/A figure that shows the noise.
 `--before SRC` adds another gradsync tree (a worktree's `src/`, say the last release's),
 loaded as `gradsync_before` and interleaved with this one: the before/after paired ratio.
 
-    git worktree add /tmp/before <commit> && .venv/bin/python benchmarks/hook_overhead.py --before /tmp/before/src
+    git worktree add /tmp/before <commit> &&
+        .venv/bin/python benchmarks/hook_overhead.py --before /tmp/before/src
 """
 
 from __future__ import annotations

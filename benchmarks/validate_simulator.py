@@ -3,13 +3,13 @@
     python benchmarks/validate_simulator.py            # writes docs/simulator/validation.md
 
 For each world size a torchrun job (gloo on 127.0.0.1) trains each model with gradsync's default
-layout and records its timing profile (`gradsync.planning.simulate.timing_profile`, every rank's, the slowest kept),
-probes the all-reduce cost idle (`probe_cost_model`) and under load (`probe_under_load`), then
-measures three wrappers that differ only in their layout: default, planned (the simulator's
-plan for this run) and no overlap (one bucket, launched when the last gradient is ready). They
-run interleaved, in rounds whose first step is dropped; a layout's time is the slowest rank's
-median step, forward start to gradients written back. The whole validation is repeated
-(`--repeat`) to show the noise: the median difference between two repeats' measurements of
+layout and records its timing profile (`gradsync.planning.simulate.timing_profile`, every rank's,
+the slowest kept), probes the all-reduce cost idle (`probe_cost_model`) and under load
+(`probe_under_load`), then measures three wrappers that differ only in their layout: default,
+planned (the simulator's plan for this run) and no overlap (one bucket, launched when the last
+gradient is ready). They run interleaved, in rounds whose first step is dropped; a layout's time is
+the slowest rank's median step, forward start to gradients written back. The whole validation is
+repeated (`--repeat`) to show the noise: the median difference between two repeats' measurements of
 the same case is reported as the noise floor.
 
 Three predictions are compared with what was measured:
@@ -27,7 +27,7 @@ gloo's collectives on those cores (`Host(cpu_collectives=True)`).
 
 Network mode, on the emulated cluster (`gradsync.tools.cluster`; needs root):
 
-    python benchmarks/validate_simulator.py --cluster   # writes docs/simulator/cluster/validation.md
+    python benchmarks/validate_simulator.py --cluster  # writes docs/simulator/cluster/validation.md
 
 One rank per host, gloo over tbf-shaped links. The reference case, 2 hosts at 2gbit, records each
 model's profile, idle probe (`Network.from_cost(cost, ranks=2)`) and contention (how much an

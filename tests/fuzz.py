@@ -7,8 +7,8 @@ configuration (find_unused_parameters, static_graph, bucket caps down to one par
 bucket, gradient_as_bucket_view, no_sync accumulation, requires_grad turned off (and on again)
 after wrapping, torch's and gradsync's communication
 hooks, SGD or Adam, world size 2 or 3, and on gradsync's side sometimes its
-ZeroRedundancyOptimizer with sharded gradients) within what torch's DDP accepts. `run_case` trains it
-under gradsync's wrapper and torch's, side by side on the same gloo groups, and returns the
+ZeroRedundancyOptimizer with sharded gradients) within what torch's DDP accepts. `run_case` trains
+it under gradsync's wrapper and torch's, side by side on the same gloo groups, and returns the
 differences: gradients (None-ness and memory layout included) every step, parameters and buffers
 at the end, and parameters across ranks. The same seed always gives the same case:
 

@@ -258,11 +258,12 @@ def _check_keywords(kwargs: dict[str, Any]) -> None:
 
 
 class DistributedDataParallel(_GradsyncDDP):
-    """gradsync's DDP under a torchft `Manager`: `DistributedDataParallel(manager, module, **kwargs)`,
-    torchft's signature; the keywords of `gradsync.DistributedDataParallel` (bucket caps,
-    find_unused_parameters, static_graph, gradient_as_bucket_view, ...) apply, and no_sync(),
-    communication hooks (`register_comm_hook(state, hook)`, state None: `self.replica_group`),
-    stats() and the timeline work as there. Use it with `torchft.Optimizer(manager, optim)`."""
+    """gradsync's DDP under a torchft `Manager`:
+    `DistributedDataParallel(manager, module, **kwargs)`, torchft's signature; the keywords of
+    `gradsync.DistributedDataParallel` (bucket caps, find_unused_parameters, static_graph,
+    gradient_as_bucket_view, ...) apply, and no_sync(), communication hooks
+    (`register_comm_hook(state, hook)`, state None: `self.replica_group`), stats() and the
+    timeline work as there. Use it with `torchft.Optimizer(manager, optim)`."""
 
     def __init__(self, manager: Manager, module: nn.Module, **kwargs: Any) -> None:
         _check_keywords(kwargs)
@@ -394,7 +395,8 @@ class DistributedDataParallel(_GradsyncDDP):
         return {"layout": reducer.bucket_indices, "iteration": reducer.iteration}
 
     def _load_replica_state(self, state: dict[str, Any]) -> None:
-        """From the healthy peer this replica recovers from (applied by the Manager between steps)."""
+        """From the healthy peer this replica recovers from (applied by the Manager between
+        steps)."""
         reducer = self._require_reducer()
         if state["layout"] != reducer.bucket_indices:
             raise ValueError(

@@ -291,8 +291,9 @@ def run_processes(
     """Call `fn(rank, group, *args)` in `world_size` spawned processes; return results by rank.
 
     With `default_group`, the group is torch's default one (`init_process_group`), for code
-    that calls `torch.distributed` functions directly. `fn` and its results must be picklable. On an error or the deadline every process is killed
-    and reaped before this returns, so nothing is left behind.
+    that calls `torch.distributed` functions directly. `fn` and its results must be picklable. On an
+    error or the deadline every process is killed and reaped before this returns, so nothing is left
+    behind.
     """
     ctx = mp.get_context("spawn")
     outcomes = ctx.Queue()

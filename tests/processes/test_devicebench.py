@@ -23,7 +23,7 @@ def build():
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
     x, y = torch.randn(16, 32), torch.randint(0, 4, (16,))
     return model, (x,), lambda out, batch: nn.functional.cross_entropy(out.float(), y.to(out.device))
-'''
+'''  # noqa: E501
 
 
 def test_the_device_bench_runs_every_variant_of_the_three_models_and_they_end_alike(tmp_path):

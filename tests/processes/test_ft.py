@@ -47,7 +47,8 @@ def _example():
 
 
 class Replicas:
-    """A lighthouse on 127.0.0.1 and replica processes of examples/ft_train.py; all killed at the end."""
+    """A lighthouse on 127.0.0.1 and replica processes of examples/ft_train.py; all killed at the
+    end."""
 
     def __init__(self, tmp: Path) -> None:
         self.tmp, self.procs, self.port = tmp, {}, free_port()
@@ -171,7 +172,8 @@ def replicas(tmp_path):
 def _reference(entries: list[dict], accumulate: int = 1, side: bool = False) -> dict:
     """Apply exactly the committed steps: step s sums the batches' gradients of the replicas that
     took part in it and divides by the Manager's count of participants, which (torchft's rule, with
-    its asynchronous quorum) includes a replica recovering in that step, whose gradients are zeros."""
+    its asynchronous quorum) includes a replica recovering in that step, whose gradients are
+    zeros."""
     ex = _example()
     model = ex.build_model(side)
     optim = torch.optim.Adam(model.parameters(), lr=1e-3)

@@ -216,7 +216,7 @@ def test_a_script_that_runs_ranks_in_threads_exits_cleanly_without_collecting_it
             return rank
 
         print("ranks", run_threaded(body, 2), flush=True)
-    """))
+    """))  # noqa: E501
     # as a user's script runs
     env = {k: v for k, v in os.environ.items() if k != "ONEDNN_MAX_CPU_ISA"}
     done = subprocess.run(

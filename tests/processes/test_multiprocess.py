@@ -178,7 +178,7 @@ def _children(pid):
 
 
 @pytest.mark.timeout(400)
-def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like_an_uninterrupted_run(
+def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like_an_uninterrupted_run(  # noqa: E501
     tmp_path,
 ):
     import torch

@@ -65,7 +65,8 @@ def _layer(module: str) -> int | None:
 
 def test_every_module_lives_in_a_layer():
     loose = sorted(m for m in _modules() if _layer(m) is None)
-    assert loose == ["gradsync", "gradsync.comm_hooks", "gradsync.ft", "gradsync.patch", "gradsync.testing"]
+    assert loose == ["gradsync", "gradsync.comm_hooks", "gradsync.ft", "gradsync.patch",
+                     "gradsync.testing"]
 
 
 @pytest.mark.parametrize("module", sorted(m for m in _modules() if _layer(m) is not None))
@@ -77,7 +78,8 @@ def test_imports_point_down_the_layers(module):
 
 
 def test_comm_hooks_need_nothing_of_gradsync():
-    assert _imports("gradsync.comm_hooks", _modules()["gradsync.comm_hooks"], type_checking=True) == set()
+    assert _imports("gradsync.comm_hooks", _modules()["gradsync.comm_hooks"],
+                    type_checking=True) == set()
 
 
 def test_no_import_cycles():
@@ -85,7 +87,8 @@ def test_no_import_cycles():
     # A package's __init__ that only holds a docstring imports nothing; edges into it are
     # the Python machinery's, not a dependency.
     for module, found in graph.items():
-        graph[module] = {n for n in found if not (n == "gradsync" or n.count(".") == 1 and n.split(".")[1] in LAYERS)}
+        graph[module] = {n for n in found if not (n == "gradsync" or n.count(".") == 1
+                                                  and n.split(".")[1] in LAYERS)}
     _assert_no_cycle(graph, "import cycle")
 
 
@@ -114,7 +117,8 @@ def test_no_import_circle_inside_a_folder_counting_every_import():
     # TYPE_CHECKING and function-level imports count: a circle of modules around one class's
     # private state is a circle whoever imports late.
     modules = _modules()
-    graph = {m: {n for n in _imports(m, p, type_checking=True) if _folder(n) == _folder(m) and n != _folder(m)}
+    graph = {m: {n for n in _imports(m, p, type_checking=True)
+                 if _folder(n) == _folder(m) and n != _folder(m)}
              for m, p in modules.items()}
     _assert_no_cycle(graph, "import circle")
 
@@ -163,7 +167,8 @@ def test_no_module_reads_another_modules_private_attributes():
     reaches = []
     for module, tree in sorted(trees.items()):
         for node in ast.walk(tree):
-            if not isinstance(node, ast.Attribute) or node.attr not in ours or node.attr in defined[module]:
+            if (not isinstance(node, ast.Attribute) or node.attr not in ours
+                    or node.attr in defined[module]):
                 continue
             # `self._x` too: a subclass in another module reading its base's private state.
             reaches.append(f"{module}: {ast.unparse(node.value)}.{node.attr}")
@@ -172,9 +177,11 @@ def test_no_module_reads_another_modules_private_attributes():
 
 def test_the_architecture_page_names_only_what_exists():
     page = (SRC.parents[1] / "docs" / "architecture.md").read_text()
-    named = re.findall(r"`((?:engine|observability|planning|wrapper|tools)/[\w/]+\.py)::([\w.]+)`", page)
+    named = re.findall(r"`((?:engine|observability|planning|wrapper|tools)/"
+                       r"[\w/]+\.py)::([\w.]+)`", page)
     assert len(named) >= 30
-    missing = [f"{path}::{name}" for path, name in named if not _defines(SRC / path, name.split("."))]
+    missing = [f"{path}::{name}" for path, name in named
+               if not _defines(SRC / path, name.split("."))]
     assert missing == []
 
 
@@ -183,7 +190,8 @@ def _defines(path: Path, names: list[str]) -> bool:
         return False
     scope: list[ast.stmt] = ast.parse(path.read_text()).body
     for name in names:
-        found = [n for n in scope if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        found = [n for n in scope
+                 if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
                  and n.name == name]
         if not found:
             return False

@@ -343,7 +343,8 @@ class _SlowWork(torch.distributed.Work):
 
 
 class _SlowGroup(torch.distributed.ProcessGroup):
-    """The real group's all-reduce, its Future completed 30 ms after the data landed: a slow link."""
+    """The real group's all-reduce, its Future completed 30 ms after the data landed: a slow
+    link."""
 
     def __init__(self, group) -> None:
         super().__init__(group.rank(), group.size())

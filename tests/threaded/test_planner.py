@@ -233,7 +233,7 @@ def test_contention_is_measured_and_agreed_by_every_rank():
 
 
 @pytest.mark.pure
-def test_busy_cpu_time_is_everything_but_idle_and_iowait_and_a_cores_share_is_the_machines_over_its_cores():
+def test_busy_cpu_time_is_everything_but_idle_and_iowait_and_a_cores_share_is_the_machines_over_its_cores():  # noqa: E501
     import os
 
     from gradsync.planning.planner import CommCpu, busy_cpu_seconds

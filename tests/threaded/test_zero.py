@@ -1,7 +1,8 @@
 """`gradsync.ZeroRedundancyOptimizer` as ZeRO-1 (optimizer state sharded, parameters broadcast by
-their owners; `shard_gradients=False` beside a gradsync wrapper, and beside torch's) against torch's DDP with the same unsharded optimizer, on real gloo groups in
-threads: the same parameters bit for bit, state of about 1/N per rank, whole state dicts that
-load at another world size, and bad input refused on every rank alike."""
+their owners; `shard_gradients=False` beside a gradsync wrapper, and beside torch's) against torch's
+DDP with the same unsharded optimizer, on real gloo groups in threads: the same parameters bit for
+bit, state of about 1/N per rank, whole state dicts that load at another world size, and bad input
+refused on every rank alike."""
 
 from __future__ import annotations
 

@@ -669,9 +669,10 @@ def test_a_rank_that_skips_the_step_makes_the_other_raise_not_hang():
 def test_mixed_precision_shards_as_the_unsharded_wrapper_reduces(reduce_dtype, case):
     """Mixed precision (torch's `_MixedPrecision`: bf16 compute, float32 parameters) with
     sharded gradients: each bucket filled in bfloat16, cast to the reduce dtype, reduce-scattered
-    and its sum divided there (as torch's mixed-precision hook), (all-reduced on gloo; `native`: reduce-scattered), kept as a
-    float32 shard the optimizer steps the float32 parameters with. The parameters equal the
-    unsharded wrapper's with the plain optimizer, bit for bit at 2 ranks; `.grad` is None."""
+    and its sum divided there (as torch's mixed-precision hook), (all-reduced on gloo; `native`:
+    reduce-scattered), kept as a float32 shard the optimizer steps the float32 parameters with. The
+    parameters equal the unsharded wrapper's with the plain optimizer, bit for bit at 2 ranks;
+    `.grad` is None."""
     from torch.nn.parallel.distributed import _MixedPrecision
 
     mixed = _MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)

@@ -37,7 +37,8 @@ def _group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 
 
 def mean_allreduce(group: dist.ProcessGroup | None, tensor: torch.Tensor) -> Result:
-    """Average `tensor` across the group, in place; divide first so half precision can't overflow."""
+    """Average `tensor` across the group, in place; divide first so half precision can't
+    overflow."""
     group = _group(group)
     tensor.div_(group.size())
     return group.allreduce([tensor]).get_future().then(lambda fut: fut.value()[0])

@@ -22,8 +22,8 @@ import torch
 from .bucket_shard import BucketShard, ReduceBy, member, scaled_into
 from .pool import BufferPool
 
-__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket", "Collective", "ReduceBy", "Sharding", "is_dense_permutation",
-           "view_like"]
+__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket", "Collective", "ReduceBy", "Sharding",
+           "is_dense_permutation", "view_like"]
 
 
 class Collective(str, enum.Enum):
@@ -52,11 +52,15 @@ class Sharding:
     hook_dtype: torch.dtype | None = None
 
 
-def _check_arguments(collective: Collective, reduce_by: ReduceBy, sparse: bool, tail: int, transient: bool) -> None:
-    if collective is Collective.REDUCE_SCATTER and (sparse or (tail and reduce_by is not ReduceBy.ALL_REDUCE)):
-        raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail (unless reduced by all-reduce)")
+def _check_arguments(collective: Collective, reduce_by: ReduceBy, sparse: bool, tail: int,
+                     transient: bool) -> None:
+    if (collective is Collective.REDUCE_SCATTER
+            and (sparse or (tail and reduce_by is not ReduceBy.ALL_REDUCE))):
+        raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail "
+                         "(unless reduced by all-reduce)")
     if transient and collective is not Collective.REDUCE_SCATTER:
-        raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result is the buffer")
+        raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result "
+                         "is the buffer")
 
 
 class Bucket:
@@ -99,7 +103,8 @@ class Bucket:
             self.allocate()
         self._start_state()
 
-    def _take_params(self, param_indices: Sequence[int], params: Sequence[torch.Tensor], sparse: bool) -> None:
+    def _take_params(self, param_indices: Sequence[int], params: Sequence[torch.Tensor],
+                     sparse: bool) -> None:
         """The parameters, where their gradients lie in the buffer, and which are copied early."""
         self.param_indices = list(param_indices)
         self.params = [params[i] for i in self.param_indices]
@@ -123,24 +128,28 @@ class Bucket:
         self._unaliased = [False] * len(self.params)  # read only: no gradient is a view of ours
         # Whether some gradients are copied in at their hooks (`copy_early`): a dense bucket of
         # several parameters whose buffer lives across iterations (read on the hot path).
-        self.copies_early = not sparse and not self.transient and len(self.params) > 1 and any(self.early)
+        self.copies_early = (not sparse and not self.transient and len(self.params) > 1
+                             and any(self.early))
 
     def _size_wire(self, tail: int, world_size: int) -> None:
         """`wire` is what an all-reduce can send: the gradients (`buffer`) plus `tail` extra
         elements after them, where the Reducer lets small per-rank counts ride along; a
         reduce-scatter's is padded to a multiple of the world size."""
         numel = self.numel
-        padded = -(-numel // world_size) * world_size if self.collective is Collective.REDUCE_SCATTER else numel
+        padded = (-(-numel // world_size) * world_size
+                  if self.collective is Collective.REDUCE_SCATTER else numel)
         self._wire_numel, self._tail_numel = max(padded, numel + tail), tail
 
-    def _make_shard(self, world_size: int, rank: int, reduce_by: ReduceBy, pool: BufferPool | None) -> None:
+    def _make_shard(self, world_size: int, rank: int, reduce_by: ReduceBy,
+                    pool: BufferPool | None) -> None:
         """The shard and its reduction (`BucketShard`). A transient bucket (sharded gradients)
         holds its buffer only from its fill until its reduce-scatter has completed, lent by
         `pool`: gradient memory is then the shards plus the buckets in flight, not a second
         copy of every gradient."""
         self._sharded = BucketShard(
-            self.numel, self._wire_numel, self._device, self.params[0].dtype, world_size, rank, reduce_by,
-            pool if self.transient else None, scattered=self.collective is Collective.REDUCE_SCATTER,
+            self.numel, self._wire_numel, self._device, self.params[0].dtype, world_size, rank,
+            reduce_by, pool if self.transient else None,
+            scattered=self.collective is Collective.REDUCE_SCATTER,
         )
         self.shard, self.shard_offset = self._sharded.shard, self._sharded.offset
         self.reduce_by = reduce_by
@@ -153,10 +162,11 @@ class Bucket:
         self.payload: torch.Tensor = self.buffer
         self.pending = len(self.params)  # gradients still to come this iteration
         self._cast: torch.Tensor | None = None  # the buffer in the reduce dtype (mixed precision)
-        # Mixed precision (the Reducer sets it) reduces as torch's `_reducer_allreduce_and_upcast_hook`:
-        # the gradients go in undivided, are summed (cast to the reduce dtype first, if it differs),
-        # and the sum is divided in the dtype it was summed in once landed (`_divided`): at 3 ranks
-        # and more, dividing first would round differently.
+        # Mixed precision (the Reducer sets it) reduces as torch's
+        # `_reducer_allreduce_and_upcast_hook`: the gradients go in undivided, are summed (cast to
+        # the reduce dtype first, if it differs), and the sum is divided in the dtype it was
+        # summed in once landed (`_divided`): at 3 ranks and more, dividing first would round
+        # differently.
         self.divides_after_sum = False
         self._sum_divisor = 1  # this iteration's, until its sum has been divided (1: nothing to)
 
@@ -182,7 +192,8 @@ class Bucket:
         self.wire = self._sharded.lend_wire(self._dtype)
         if self._wire_numel > self.numel:
             self.wire.narrow(0, self.numel, self._wire_numel - self.numel).zero_()
-        self.buffer = self.wire.narrow(0, 0, self.numel) if self._wire_numel != self.numel else self.wire
+        self.buffer = (self.wire.narrow(0, 0, self.numel) if self._wire_numel != self.numel
+                       else self.wire)
         self.tail = self.wire.narrow(0, self.numel, self._tail_numel) if self._tail_numel else None
         self.payload = self.buffer
         self.views = [
@@ -231,7 +242,8 @@ class Bucket:
         if self.transient and not self.views:
             self.allocate()
         grads = [p.grad for p in self.params]
-        aliased = [g is not None and _aliases(g, v) for g, v in zip(grads, self.views)] if as_view else self._unaliased
+        aliased = ([g is not None and _aliases(g, v) for g, v in zip(grads, self.views)]
+                   if as_view else self._unaliased)
         if self._n_copied:
             self._fill_rest(grads, aliased, divisor)
         elif not any(aliased) and not any(g is not None and g.requires_grad for g in grads):
@@ -248,7 +260,8 @@ class Bucket:
             for param in self.params:
                 param.grad = None
 
-    def _fill_rest(self, grads: list[torch.Tensor | None], aliased: list[bool], divisor: int) -> None:
+    def _fill_rest(self, grads: list[torch.Tensor | None], aliased: list[bool],
+                   divisor: int) -> None:
         """The fill of a bucket some of whose gradients were taken at their hooks."""
         views, batch, bucket_views = [], [], self.views
         for j in self._late:
@@ -261,7 +274,8 @@ class Bucket:
         if self._n_copied < len(self._early):  # a large one without a gradient at its hook
             for j in self._early:
                 if not self._copied[j]:
-                    _scale_into(grads[j], bucket_views[j], aliased[j], divisor)  # scaled while copied
+                    # scaled while copied
+                    _scale_into(grads[j], bucket_views[j], aliased[j], divisor)
         _copy_batch(views, batch, divisor)
 
     def view_grads(self, which: Sequence[bool] | None = None) -> None:
@@ -323,10 +337,12 @@ class Bucket:
             else:
                 param.grad.copy_(value)
 
-    def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
+    def start(self, group: torch.distributed.ProcessGroup,
+              wire: torch.Tensor) -> torch.distributed.Work:
         """Start this bucket's collective on `wire` (the payload, or buffer and tail); its owner
         (`reductions.Reductions`) holds the work until it lands."""
-        if self.collective is Collective.ALL_REDUCE or self.by_all_reduce:  # sharded: `wire` unpadded, summed as DDP sums
+        # sharded: `wire` unpadded, summed as DDP sums
+        if self.collective is Collective.ALL_REDUCE or self.by_all_reduce:
             return group.allreduce([wire])
         return self._sharded.start(group, self.wire)
 
@@ -341,7 +357,8 @@ class Bucket:
         all-reduce, whose whole result is in the buffer)."""
         self._sharded.take(self.payload, self.by_all_reduce, self._divided)
         self._sum_divisor = 1  # a shard of padding only: nothing to divide
-        if not self.transient:  # a persistent bucket drops its cast here (a transient one: `release`)
+        # a persistent bucket drops its cast here (a transient one: `release`)
+        if not self.transient:
             self._sharded.drop_cast()
 
     def fill_sparse(self, divisor: int) -> bool:
@@ -367,7 +384,8 @@ class Bucket:
             self.payload = self._cast_payload(reduce_dtype, scale, reciprocal=True)
         elif reduce_dtype is not None:  # into the same tensor every step, not a new one
             if self._cast is None or self._cast.dtype != reduce_dtype:
-                self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype, device=self.buffer.device)
+                self._cast = torch.empty(self.buffer.shape, dtype=reduce_dtype,
+                                         device=self.buffer.device)
             self.payload = scaled_into(self.buffer, scale, self._cast)
         else:
             self.payload = self.buffer
@@ -411,7 +429,8 @@ class Bucket:
 
     def reset(self, reusable: bool = True) -> None:
         """Ready for the next iteration. `reusable`: no collective of the last one still runs
-        on a transient bucket's buffer (an iteration abandoned mid-flight), so it may be lent again."""
+        on a transient bucket's buffer (an iteration abandoned mid-flight), so it may be lent
+        again."""
         if self.transient and self.holds_memory:
             self.release(reusable=reusable)
         self.pending = len(self.params)

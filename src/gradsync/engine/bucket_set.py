@@ -24,8 +24,9 @@ __all__ = ["BucketSet"]
 class BucketSet:
     """Buckets for `params`, installed from a layout (lists of parameter indices)."""
 
-    def __init__(self, params: Sequence[torch.Tensor], expect_sparse: Sequence[bool], names: Sequence[str],
-                 dtype: torch.dtype | None, world_size: int, divides_after_sum: bool) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], expect_sparse: Sequence[bool],
+                 names: Sequence[str], dtype: torch.dtype | None, world_size: int,
+                 divides_after_sum: bool) -> None:
         self.params, self.expect_sparse, self.names = list(params), list(expect_sparse), list(names)
         self.dtype, self.world_size, self.divides_after_sum = dtype, world_size, divides_after_sum
         self.buckets: list[Bucket] = []
@@ -69,22 +70,22 @@ class BucketSet:
 
     # ----------------------------------------------------------------------- sharding
 
-    def shard(self, group: dist.ProcessGroup, in_flight: int | None, reduce_by: ReduceBy | str | None,
-              comm_hook: tuple[object, CommHook] | None, casts_to_reduce_dtype: bool, as_view: bool) -> None:
+    def shard(self, group: dist.ProcessGroup, in_flight: int | None,
+              reduce_by: ReduceBy | str | None, comm_hook: tuple[object, CommHook] | None,
+              casts_to_reduce_dtype: bool, as_view: bool) -> None:
         """Reduce-scatter from now on (`Reducer.shard_gradients`), as a registered averaging
-        `comm_hook` does if there is one; `casts_to_reduce_dtype`: buckets cast first.
-
-        Without bucket views (`as_view`) the buckets are transient: a buffer lives from its
-        fill until its reduce-scatter has completed, and with `in_flight` no more than that
-        many are reducing at once (backward waits for the oldest: memory bounded at the cost of
-        overlap where the network is slower than backward). `reduce_by` (`ReduceBy`, or its string):
+        `comm_hook` does if there is one; `casts_to_reduce_dtype`: buckets cast first. Without
+        bucket views (`as_view`) the buckets are transient: a buffer lives from its fill until its
+        reduce-scatter has completed, and with `in_flight` no more than that many are reducing at
+        once (backward waits for the oldest: memory bounded at the cost of overlap where the
+        network is slower than backward). `reduce_by` (`ReduceBy`, or its string):
         "reduce_scatter" (the default on device backends), "all_to_all" (the default on host
-        backends, gloo, whose all-to-all beats its reduce-scatter and all-reduce) or
-        "all_reduce" (each bucket reduced whole, the shard copied out: DDP's very sums at any
-        world size, where all-to-all's rank-order sum differs from gloo's ring in the last bit
-        beyond 2 ranks)."""
+        backends, gloo, whose all-to-all beats its reduce-scatter and all-reduce) or "all_reduce"
+        (each bucket reduced whole, the shard copied out: DDP's very sums at any world size, where
+        all-to-all's rank-order sum differs from gloo's ring in the last bit beyond 2 ranks)."""
         if in_flight is not None and in_flight < 1:
-            raise ValueError(f"shard_gradients(in_flight={in_flight}): expected at least 1, or None for no limit")
+            raise ValueError(f"shard_gradients(in_flight={in_flight}): expected at least 1, "
+                             "or None for no limit")
         dtype = None
         if comm_hook is not None:
             try:
@@ -92,18 +93,22 @@ class BucketSet:
             except ValueError as error:
                 raise ValueError(f"gradsync: cannot shard the gradients: {error}") from None
         if any(self.expect_sparse):
-            raise ValueError("gradsync: cannot shard the gradients: some parameters get sparse gradients")
+            raise ValueError("gradsync: cannot shard the gradients: some parameters get sparse "
+                             "gradients")
         if reduce_by is None:
-            reduce_by = ReduceBy.ALL_TO_ALL if host_runs_collectives(group) else ReduceBy.REDUCE_SCATTER
+            reduce_by = (ReduceBy.ALL_TO_ALL if host_runs_collectives(group)
+                         else ReduceBy.REDUCE_SCATTER)
         reduce_by = member(ReduceBy, reduce_by, f"shard_gradients(reduce_by={reduce_by!r})")
         transient = not as_view
         # Transient buffers are lent: as many as can be live at once (those reducing and the
         # one filling) stay warm between steps (`BufferPool`).
         keep = in_flight + 1 if in_flight is not None else 2
         # A cast beside each buffer, and a receive buffer for an all-to-all.
-        per_bucket = (2 if casts_to_reduce_dtype or dtype is not None else 1) + (reduce_by is ReduceBy.ALL_TO_ALL)
+        per_bucket = ((2 if casts_to_reduce_dtype or dtype is not None else 1)
+                      + (reduce_by is ReduceBy.ALL_TO_ALL))
         pool = BufferPool(keep=per_bucket * keep) if transient else None
-        self.shards = Sharding(group.rank(), transient, reduce_by, pool, comm_hook is not None, dtype)
+        self.shards = Sharding(group.rank(), transient, reduce_by, pool, comm_hook is not None,
+                               dtype)
         self.in_flight = in_flight
 
     def reduce_as_hook(self, state: object, hook: CommHook, group: dist.ProcessGroup) -> None:

@@ -48,7 +48,8 @@ class BucketShard:
     """This rank's shard of a bucket's `wire_numel` (padded) elements, `numel` of them gradients."""
 
     def __init__(self, numel: int, wire_numel: int, device: torch.device, shard_dtype: torch.dtype,
-                 world_size: int, rank: int, reduce_by: ReduceBy, pool: BufferPool | None, scattered: bool) -> None:
+                 world_size: int, rank: int, reduce_by: ReduceBy, pool: BufferPool | None,
+                 scattered: bool) -> None:
         self.numel, self.wire_numel, self.device = numel, wire_numel, device
         # A reduce-scatter's result: this rank's slice of the summed (padded) buffer, in the
         # parameters' own dtype (under mixed precision the bucket's is the compute dtype): the
@@ -115,7 +116,8 @@ class BucketShard:
         """A persistent bucket's cast, once its shard is taken (a transient one's: `release`)."""
         self.cast_wire = self.cast_shard = None
 
-    def cast(self, buffer: torch.Tensor, dtype: torch.dtype, divisor: int, reciprocal: bool) -> torch.Tensor:
+    def cast(self, buffer: torch.Tensor, dtype: torch.dtype, divisor: int,
+             reciprocal: bool) -> torch.Tensor:
         """`buffer` cast to `dtype` and divided there (`reciprocal`: multiplied by 1/divisor, as
         the all-reduce path's cast is (not at all for 1); else divided, as torch's hooks
         do). The cast, padded, is what is reduced from now on; returned without the padding."""
@@ -136,17 +138,20 @@ class BucketShard:
 
     # ------------------------------------------------------------------ reducing
 
-    def start(self, group: torch.distributed.ProcessGroup, wire: torch.Tensor) -> torch.distributed.Work:
+    def start(self, group: torch.distributed.ProcessGroup,
+              wire: torch.Tensor) -> torch.distributed.Work:
         """Reduce-scatter the cast if there is one, else `wire`, into the shard."""
         source = self.cast_wire if self.cast_wire is not None else wire
         if self.reduce_by is ReduceBy.ALL_TO_ALL:
             return self._all_to_all(group, source)
         target = self.shard
         if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
-            target = self.cast_shard = torch.empty(self.shard.numel(), dtype=source.dtype, device=self.device)
+            target = self.cast_shard = torch.empty(self.shard.numel(), dtype=source.dtype,
+                                                   device=self.device)
         return group._reduce_scatter_base(target, source, torch.distributed.ReduceScatterOptions())
 
-    def _all_to_all(self, group: torch.distributed.ProcessGroup, source: torch.Tensor) -> torch.distributed.Work:
+    def _all_to_all(self, group: torch.distributed.ProcessGroup,
+                    source: torch.Tensor) -> torch.distributed.Work:
         """Send each rank its part of `source` and receive every rank's part of this rank's
         shard. The first and last ranks send nothing to themselves (what they would send lies
         outside one contiguous run only for the others): they receive N-1 parts, not N, so
@@ -160,14 +165,16 @@ class BucketShard:
         else:
             send, splits = source, [chunk] * world
         self.received = self._receive_buffer(send.numel(), source)
-        return group.alltoall_base(self.received, send, splits, splits, torch.distributed.AllToAllOptions())
+        return group.alltoall_base(self.received, send, splits, splits,
+                                   torch.distributed.AllToAllOptions())
 
     def _receive_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:
         """Where an all-to-all lands: the ranks' parts of this shard, in rank order."""
         if self.pool is not None:
             self.received_lent = self.pool.take(numel, like.dtype, like.device)
             return self.received_lent.narrow(0, 0, numel)
-        if self.received_lent is None or self.received_lent.dtype != like.dtype:  # kept: a persistent bucket
+        # kept: a persistent bucket
+        if self.received_lent is None or self.received_lent.dtype != like.dtype:
             self.received_lent = torch.empty(numel, dtype=like.dtype, device=like.device)
         return self.received_lent.narrow(0, 0, numel)
 
@@ -180,13 +187,15 @@ class BucketShard:
             self._sum_received(self.received, divided)
         elif by_all_reduce:  # the payload: the buffer, or its cast (a hook, mixed precision)
             if stop > start:
-                self.shard.narrow(0, 0, stop - start).copy_(divided(payload.narrow(0, start, stop - start)))
+                self.shard.narrow(0, 0, stop - start).copy_(
+                    divided(payload.narrow(0, start, stop - start)))
         elif self.cast_shard is not None:
             self.shard.copy_(divided(self.cast_shard))
         elif stop > start:  # summed into the shard itself, in its dtype
             divided(self.shard)
 
-    def _sum_received(self, received: torch.Tensor, divided: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    def _sum_received(self, received: torch.Tensor,
+                      divided: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """The shard: the ranks' parts added in rank order, in their dtype (as the collective
         would sum), then taken into the shard's. At 2 ranks one addition: all-reduce's sum."""
         parts = list(received.view(-1, self.shard.numel()))

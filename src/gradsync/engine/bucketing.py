@@ -34,8 +34,8 @@ def compute_bucket_assignment_by_size(
     """Group tensors into buckets of at most about `bucket_size_limits` bytes each.
 
     Tensors are grouped by (dtype, device). A bucket closes as soon as its size reaches the current
-    limit of its group, and that group moves on to the next limit in the list (the last one repeats).
-    A tensor expected to get a sparse gradient gets a bucket of its own, with limit 0.
+    limit of its group, and that group moves on to the next limit in the list (the last one
+    repeats). A tensor expected to get a sparse gradient gets a bucket of its own, with limit 0.
 
     `tensor_indices[i]` is the index reported for `tensors[i]` (default: `i`); when it is given the
     tensors are taken to be in gradient-ready order and full buckets keep that order. Otherwise
@@ -154,8 +154,8 @@ def validate_bucket_indices(
     missing = [names[i] for i in range(len(params)) if i not in seen]
     if missing:
         raise ValueError(
-            f"{len(missing)} parameter(s) are in no bucket: {_short_list(missing)}; every parameter "
-            "that requires grad must be assigned to a bucket"
+            f"{len(missing)} parameter(s) are in no bucket: {_short_list(missing)}; every "
+            "parameter that requires grad must be assigned to a bucket"
         )
     return layout
 

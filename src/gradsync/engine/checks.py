@@ -41,7 +41,8 @@ class PendingFinite:
                 raise GradSyncError(_message(name, norm, self.rank, self.iteration, deferred=True))
 
 
-def _norms(grads: Sequence[torch.Tensor | None], names: Sequence[str]) -> tuple[list[str], torch.Tensor] | None:
+def _norms(grads: Sequence[torch.Tensor | None],
+           names: Sequence[str]) -> tuple[list[str], torch.Tensor] | None:
     present = [(g, n) for g, n in zip(grads, names) if g is not None and not g.is_sparse]
     if not present:
         return None

@@ -23,8 +23,9 @@ from .waits import wait, wait_error
 # As torch's DDP broadcasts module states at construction.
 BROADCAST_CHUNK_BYTES = 250 * 1024 * 1024
 
-__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather_ints", "all_gather_objects", "all_reduce",
-           "broadcast_tensors", "finish_all_gather_ints", "start_all_gather_ints", "wait", "wait_error"]
+__all__ = ["BROADCAST_CHUNK_BYTES", "DEFAULT_TIMEOUT", "Broadcasts", "all_gather_ints",
+           "all_gather_objects", "all_reduce", "broadcast_tensors", "finish_all_gather_ints",
+           "start_all_gather_ints", "wait", "wait_error"]
 
 
 def all_reduce(
@@ -122,8 +123,10 @@ class Broadcasts:
         with torch.no_grad():
             for chunk in _chunks(tensors, chunk_bytes):
                 alone = len(chunk) == 1 and _in_place(chunk[0])
-                flat = chunk[0].detach() if alone else torch.cat([t.detach().reshape(-1) for t in chunk])
-                self._pending.append((self._broadcast(flat, src), what, None if alone else flat, chunk))
+                flat = (chunk[0].detach() if alone
+                        else torch.cat([t.detach().reshape(-1) for t in chunk]))
+                self._pending.append((self._broadcast(flat, src), what, None if alone else flat,
+                                      chunk))
 
     def start_in_place(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """Broadcast one contiguous tensor where it lies, whatever its size (a flat buffer that

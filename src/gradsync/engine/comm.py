@@ -27,8 +27,10 @@ CommHook = Callable[[Any, Any], torch.futures.Future]
 # bucket by one all-reduce, `buffer.to(dtype).div_(world_size)` then a sum (torch's
 # default_hooks and gradsync.comm_hooks alike), so a reduce-scatter of the same tensor gives each
 # rank its shard of exactly the hook's result. Found by name: the engine imports no hooks.
-_SHARDABLE_MODULES = ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks", "gradsync.comm_hooks")
-_SHARDABLE = {"allreduce_hook": None, "fp16_compress_hook": torch.float16, "bf16_compress_hook": torch.bfloat16}
+_SHARDABLE_MODULES = ("torch.distributed.algorithms.ddp_comm_hooks.default_hooks",
+                      "gradsync.comm_hooks")
+_SHARDABLE = {"allreduce_hook": None, "fp16_compress_hook": torch.float16,
+              "bf16_compress_hook": torch.bfloat16}
 
 
 def averages_by_one_allreduce(hook: CommHook) -> bool:
@@ -44,12 +46,13 @@ def sharded_hook_dtype(state: object, hook: CommHook, group: Any) -> torch.dtype
     name = getattr(hook, "__name__", "")
     if not averages_by_one_allreduce(hook):
         raise ValueError(
-            f"a communication hook ({hook_name(hook)}) with sharded gradients: only hooks that average "
-            "each bucket by one all-reduce shard it (torch's or gradsync.comm_hooks' allreduce_hook, "
-            "fp16_compress_hook, bf16_compress_hook); others return whole buckets. Use "
-            "ZeroRedundancyOptimizer(shard_gradients=False) for other hooks"
+            f"a communication hook ({hook_name(hook)}) with sharded gradients: only hooks that "
+            "average each bucket by one all-reduce shard it (torch's or gradsync.comm_hooks' "
+            "allreduce_hook, fp16_compress_hook, bf16_compress_hook); others return whole buckets. "
+            "Use ZeroRedundancyOptimizer(shard_gradients=False) for other hooks"
         )
-    if state is not None and (not isinstance(state, torch.distributed.ProcessGroup) or state.size() != group.size()):
+    if state is not None and (not isinstance(state, torch.distributed.ProcessGroup)
+                              or state.size() != group.size()):
         raise ValueError(
             f"{name} with sharded gradients: its state must be None or the wrapper's process group "
             f"(size {group.size()}), got {state!r}"
@@ -133,11 +136,13 @@ def check_registration(current: tuple[object, CommHook] | None, hook: object, it
             f"{iterations} iteration(s) have already run with the default all-reduce"
         )
     if casts_to_reduce_dtype:
-        raise NotImplementedError("gradsync: communication hooks with mixed precision are not supported yet")
+        raise NotImplementedError("gradsync: communication hooks with mixed precision are not "
+                                  "supported yet")
     check_hook(hook)
 
 
-def check_hook_result(value: object, bucket: Bucket, expected: torch.Tensor, name: str, where: str) -> torch.Tensor:
+def check_hook_result(value: object, bucket: Bucket, expected: torch.Tensor, name: str,
+                      where: str) -> torch.Tensor:
     """A hook's result, refused unless it is a tensor of the bucket's shape, in its dtype or the
     one the hook gave it (`GradBucket.set_buffer`)."""
     if not isinstance(value, torch.Tensor):

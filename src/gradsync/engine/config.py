@@ -100,7 +100,8 @@ class ReducerConfig:
 
     def casts_to_reduce(self, param_dtype: torch.dtype) -> bool:
         """Whether buckets are cast to another dtype to be reduced (mixed precision)."""
-        return self.reduce_dtype is not None and self.reduce_dtype != (self.bucket_dtype or param_dtype)
+        return (self.reduce_dtype is not None
+                and self.reduce_dtype != (self.bucket_dtype or param_dtype))
 
     def __post_init__(self) -> None:
         limits = self.rebuild_bucket_size_limits
@@ -111,9 +112,11 @@ class ReducerConfig:
             )
         if self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout={self.timeout!r} must be positive")
-        if isinstance(self.time_gradients_every, bool) or not isinstance(self.time_gradients_every, int) \
-                or self.time_gradients_every < 1:
-            raise ValueError(f"time_gradients_every={self.time_gradients_every!r} must be an int >= 1")
+        if (isinstance(self.time_gradients_every, bool)
+                or not isinstance(self.time_gradients_every, int)
+                or self.time_gradients_every < 1):
+            raise ValueError(f"time_gradients_every={self.time_gradients_every!r} must be an "
+                             "int >= 1")
         if self.history < 1:
             raise ValueError(f"history={self.history} must be at least 1")
         for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph",
@@ -121,7 +124,8 @@ class ReducerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name}={getattr(self, name)!r} must be True or False")
         if self.read_back not in READ_BACK:
-            raise ValueError(f"read_back={self.read_back!r}: expected one of {', '.join(READ_BACK)}")
+            raise ValueError(f"read_back={self.read_back!r}: expected one of "
+                             f"{', '.join(READ_BACK)}")
         if self.report_unused and not self.find_unused_parameters:
             raise ValueError("report_unused=True needs find_unused_parameters=True (there is no "
                              "used map to report otherwise)")
@@ -129,6 +133,6 @@ class ReducerConfig:
 
 # What `Reducer.configure` may change between iterations; the rest shapes the buckets.
 RUNTIME_FIELDS = frozenset(
-    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock", "read_back",
-     "time_gradients_every"}
+    {"timeout", "check_finite", "report_unused", "check_accumulation", "record_events", "clock",
+     "read_back", "time_gradients_every"}
 )

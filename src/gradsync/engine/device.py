@@ -17,7 +17,8 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["CudaCalls", "DeviceCalls", "HostRead", "host_runs_collectives", "object_device", "on_stream"]
+__all__ = ["CudaCalls", "DeviceCalls", "HostRead", "host_runs_collectives", "object_device",
+           "on_stream"]
 
 
 class DeviceCalls(Protocol):
@@ -73,7 +74,8 @@ def object_device(group: dist.ProcessGroup) -> torch.device:
     if bound is not None:
         return bound
     module = getattr(torch, kind, None)
-    index = module.current_device() if module is not None and hasattr(module, "current_device") else 0
+    index = (module.current_device() if module is not None and hasattr(module, "current_device")
+             else 0)
     return torch.device(kind, index)
 
 

@@ -95,11 +95,13 @@ class EventClock:
                 self._free.append(self._events.pop(t))  # nothing refers to it any more
 
 
-def resolve_timeline(timeline: IterationTimeline, clock: EventClock, landed: bool = False) -> IterationTimeline:
+def resolve_timeline(timeline: IterationTimeline, clock: EventClock,
+                     landed: bool = False) -> IterationTimeline:
     """Turn a finished timeline's tokens into nanoseconds, in place (and return it). An
     `UNTIMED` reading (a gradient on an iteration not sampled) takes the next timed reading
-    after it on the compute stream (a bucket's ready or launch), the end of backward if none: when it was ready at the latest. `landed`: the
-    caller has seen the iteration's last events pass (nothing to ask or wait for)."""
+    after it on the compute stream (a bucket's ready or launch), the end of backward if none:
+    when it was ready at the latest. `landed`: the caller has seen the iteration's last events
+    pass (nothing to ask or wait for)."""
     last = final_reading(timeline)
     timeline.start_ns = clock.ns(timeline.start_ns, landed)
     timeline.forward_start_ns = clock.ns(timeline.forward_start_ns, landed)

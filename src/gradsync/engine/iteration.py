@@ -56,7 +56,8 @@ class Iteration:
     @classmethod
     def idle(cls, number: int, n_params: int, divisor: int) -> Iteration:
         """The state before any iteration (or after one was abandoned): nothing marked."""
-        return cls(number, [False] * n_params, IterationTimeline(number, 0, [], []), divisor=divisor)
+        return cls(number, [False] * n_params, IterationTimeline(number, 0, [], []),
+                   divisor=divisor)
 
     def unmarked(self) -> list[int]:
         return [i for i, done in enumerate(self.marked) if not done]

@@ -36,11 +36,13 @@ def make_buckets(
     last = len(layout) - 1
     if shards is not None:
         return [
-            Bucket(b, indices, params, dtype=dtype, collective=Collective.REDUCE_SCATTER, world_size=world_size,
-                   rank=shards.rank, transient=shards.transient, reduce_by=shards.reduce_by,
-                   pool=shards.pool, hooked=shards.hooked, hook_dtype=shards.hook_dtype,
-                   tail=world_size if b == last and world_size > 1 and shards.reduce_by is ReduceBy.ALL_REDUCE and not shards.hooked
-                   else 0)
+            Bucket(b, indices, params, dtype=dtype, collective=Collective.REDUCE_SCATTER,
+                   world_size=world_size, rank=shards.rank, transient=shards.transient,
+                   reduce_by=shards.reduce_by, pool=shards.pool, hooked=shards.hooked,
+                   hook_dtype=shards.hook_dtype,
+                   tail=(world_size if b == last and world_size > 1
+                         and shards.reduce_by is ReduceBy.ALL_REDUCE and not shards.hooked
+                         else 0))
             for b, indices in enumerate(layout)
         ]
     return [
@@ -52,9 +54,11 @@ def make_buckets(
     ]
 
 
-def check_sparse_layout(layout: Sequence[Sequence[int]], sparse: Sequence[bool], names: Sequence[str]) -> None:
+def check_sparse_layout(layout: Sequence[Sequence[int]], sparse: Sequence[bool],
+                        names: Sequence[str]) -> None:
     if len(sparse) != len(names):
-        raise ValueError(f"expect_sparse_gradient has {len(sparse)} flags for {len(names)} parameters")
+        raise ValueError(f"expect_sparse_gradient has {len(sparse)} flags for {len(names)} "
+                         "parameters")
     for b, indices in enumerate(layout):
         if len(indices) > 1 and any(sparse[i] for i in indices):
             raise ValueError(
@@ -74,11 +78,13 @@ def rebuilt_layout(
 ) -> list[list[int]] | None:
     """The layout in rank 0's ready order of `last` (its unused parameters, which torch hears
     of only at the end, last); None, on every rank alike, if rank 0 did not see them all."""
-    local = [i for _, i in last.order(EventKind.READY)] + [i for _, i in last.order(EventKind.UNUSED)] if last else []
+    local = ([i for _, i in last.order(EventKind.READY)]
+             + [i for _, i in last.order(EventKind.UNUSED)] if last else [])
     order = _broadcast_order(local, len(params), params[0].device, group, timeout)
     if sorted(order) != list(range(len(params))):
         return None
-    layout, _ = compute_bucket_assignment_by_size([params[i] for i in order], list(limits), sparse, order)
+    layout, _ = compute_bucket_assignment_by_size([params[i] for i in order], list(limits), sparse,
+                                                  order)
     return layout
 
 

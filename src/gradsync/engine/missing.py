@@ -37,7 +37,8 @@ def missing_gradients_error(
     else:
         everyone = all_gather_objects(group, mine, timeout)
         per_rank = {r: names for r, names in enumerate(everyone) if names}  # type: ignore[misc]
-    return GradSyncError(missing_gradients_message(per_rank, iteration, find_unused, static, rank, frozen))  # type: ignore[arg-type]
+    return GradSyncError(missing_gradients_message(per_rank, iteration, find_unused, static, rank,  # type: ignore[arg-type]
+                                                   frozen))
 
 
 def unfinished_iteration_error(missing: list[str], rank: int, find_unused: bool, iteration: int,

@@ -70,7 +70,8 @@ class Phase(enum.Enum):
 
 
 # The hot path compares against module constants (a global lookup, not an attribute of Phase).
-_PREPARED, _BACKWARD, _LAUNCHED, _REDUCED = Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED, Phase.REDUCED
+_PREPARED, _BACKWARD, _LAUNCHED, _REDUCED = (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED,
+                                             Phase.REDUCED)
 
 
 class Reducer:
@@ -85,14 +86,9 @@ class Reducer:
     take_micro_steps: weakref.WeakMethod[Callable[[], int]] | None = None
 
     def __init__(
-        self,
-        params: Sequence[torch.Tensor],
-        bucket_indices: Sequence[Sequence[int]],
-        process_group: dist.ProcessGroup,
-        *,
-        param_names: Sequence[str] | None = None,
-        config: ReducerConfig | None = None,
-        expect_sparse_gradient: Sequence[bool] | None = None,
+        self, params: Sequence[torch.Tensor], bucket_indices: Sequence[Sequence[int]],
+        process_group: dist.ProcessGroup, *, param_names: Sequence[str] | None = None,
+        config: ReducerConfig | None = None, expect_sparse_gradient: Sequence[bool] | None = None,
         device_calls: DeviceCalls | None = None,
     ) -> None:
         self.params = list(params)
@@ -102,13 +98,16 @@ class Reducer:
         self.process_group, config = process_group, config or ReducerConfig()
         self.rank, self.world_size = process_group.rank(), process_group.size()
         self._calls, device_clock = _on_the_device(self.params[0], config, device_calls)
-        self._settings = Settings.of(config, process_group, device_clock, self.params[0].dtype, len(self.params))
-        self._used, self._waits = UsedMap(self.names, process_group), Waits(process_group, self.names)
+        self._settings = Settings.of(config, process_group, device_clock, self.params[0].dtype,
+                                     len(self.params))
+        self._used, self._waits = (UsedMap(self.names, process_group),
+                                   Waits(process_group, self.names))
         self._checks = ReportChecks(process_group, self._waits)
-        self._bucket_set = BucketSet(self.params, self.expect_sparse_gradient, self.names, config.bucket_dtype,
-                                     self.world_size, self._settings.divides_after_sum)
-        self._reductions = Reductions(self._settings, self._bucket_set, process_group, self._checks, self._waits,
-                                      self._used, self._calls)
+        self._bucket_set = BucketSet(self.params, self.expect_sparse_gradient, self.names,
+                                     config.bucket_dtype, self.world_size,
+                                     self._settings.divides_after_sum)
+        self._reductions = Reductions(self._settings, self._bucket_set, process_group,
+                                      self._checks, self._waits, self._used, self._calls)
         self._timelines = Timelines(config.history, self.rank, device_clock)
         self._install(validate_bucket_indices(bucket_indices, self.params, self.names))
         self._needs_rebuild = config.rebuild_bucket_size_limits is not None and (
@@ -116,8 +115,10 @@ class Reducer:
         self.iteration, self._forward_start_ns = 0, 0
         self.reductions = 0  # synchronised iterations finished (a sharded optimizer counts them)
         self.last_used: list[int] | None = None  # the used map they were written back with
-        self.shard_owner: Callable[[], object] | None = None  # the sharded optimizer's weak reference
-        self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()  # `register_finish_hook`
+        # the sharded optimizer's weak reference
+        self.shard_owner: Callable[[], object] | None = None
+        # `register_finish_hook`
+        self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self.phase, self._it = Phase.IDLE, Iteration.idle(0, len(self.params), self.world_size)
         # Held for the unused search to ask the engine about (else it walks the graph); not
         # with parameters cast each forward (`bucket_dtype`), whose accumulators are new each time.
@@ -163,11 +164,13 @@ class Reducer:
         """Reduce-scatter from now on, in buckets of `layout` for good: each rank keeps only its
         shard of each bucket's averaged gradients (`Bucket.shard`), `.grad` cleared once a
         gradient is in its bucket; `in_flight` and `reduce_by` as `BucketSet.shard` takes them.
-        For a sharded optimizer (`gradsync.ZeroRedundancyOptimizer`); every rank must call it alike."""
+        For a sharded optimizer (`gradsync.ZeroRedundancyOptimizer`); every rank must call it
+        alike."""
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("shard_gradients: an iteration is still being reduced")
         self._bucket_set.shard(self.process_group, in_flight, reduce_by, self._settings.comm_hook,
-                               self._settings.casts_to_reduce_dtype, self.config.gradient_as_bucket_view)
+                               self._settings.casts_to_reduce_dtype,
+                               self.config.gradient_as_bucket_view)
         self._needs_rebuild = False
         self._install(validate_bucket_indices(layout, self.params, self.names))
 
@@ -195,11 +198,13 @@ class Reducer:
     def rebuild_if_due(self) -> None:
         """Rebuild the buckets in ready order once, as torch: after the first synchronised
         iteration, or with a static graph the second (the first only counts hooks)."""
-        if not self._needs_rebuild or self._timelines.finished < (2 if self._settings.static else 1):
+        if (not self._needs_rebuild
+                or self._timelines.finished < (2 if self._settings.static else 1)):
             return
         self._needs_rebuild = False
         layout = layouts.rebuilt_layout(
-            self._timelines.last(), self.params, self.expect_sparse_gradient,  # its order, not times
+            # its order, not times
+            self._timelines.last(), self.params, self.expect_sparse_gradient,
             self.config.rebuild_bucket_size_limits or (), self.process_group, self.config.timeout,
         )
         if layout is not None:  # None on every rank alike
@@ -267,8 +272,8 @@ class Reducer:
             forward_start_ns=self._forward_start_ns,
             gradients_timed=sampled,
         )
-        return Iteration(self.iteration, [False] * len(self.params), timeline, s.clock if sampled else untimed,
-                         divisor, micro_steps)
+        return Iteration(self.iteration, [False] * len(self.params), timeline,
+                         s.clock if sampled else untimed, divisor, micro_steps)
 
     def _start_search(self, it: Iteration, outputs: list[torch.Tensor]) -> None:
         """`it.unused`, the parameters to mark ready at the first hook: unreachable from
@@ -304,9 +309,11 @@ class Reducer:
     def _clear_reduction(self) -> None:
         """Drop what an iteration left in flight: reports, used map, the buckets' state."""
         self._checks.reports.abandon()
-        if self._settings.find_unused or self._settings.static is not None:  # the only users of a used map
+        # the only users of a used map
+        if self._settings.find_unused or self._settings.static is not None:
             self._used.abandon()
         self._reductions.clear()
+        self._waits.end()
 
     def _check_prior_reduction_finished(self) -> None:
         # Reached only where the end of backward could not be seen (forward returned no
@@ -314,8 +321,9 @@ class Reducer:
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             unmarked = self._it.unmarked()
             error = missing.unfinished_iteration_error(
-                [self.names[i] for i in unmarked], self.rank, self._settings.find_unused, self.iteration,
-                self._waits.monitor, [self.names[i] for i in unmarked if not self.params[i].requires_grad],
+                [self.names[i] for i in unmarked], self.rank, self._settings.find_unused,
+                self.iteration, self._waits.monitor,
+                [self.names[i] for i in unmarked if not self.params[i].requires_grad],
             )
             self.abandon_iteration()
             raise error
@@ -341,12 +349,14 @@ class Reducer:
                     it.backward_stream = self._calls.current_stream()
             elif phase is not _LAUNCHED:  # idle or reduced: not ours to count
                 if phase is _REDUCED and it.marked[index]:
-                    raise GradSyncError(marked_twice_message(self.names[index], index, self.rank, "late"))
+                    raise GradSyncError(marked_twice_message(self.names[index], index, self.rank,
+                                                             "late"))
                 return
         static = self._settings.static
         if static is not None and not static.fire(index):
             if static.learning:
-                static_graph.learning_fire(static, it, self._used, index, param, self._queue_end_of_backward)
+                static_graph.learning_fire(static, it, self._used, index, param,
+                                           self._queue_end_of_backward)
             return
         if it.unused_pending:  # first, as torch: a parameter it marks unused cannot fire
             self._mark_unused(it, index)
@@ -379,7 +389,8 @@ class Reducer:
         node is still to run, is one of those: torch's DDP marks it unused, then ready, and
         raises; so does the Reducer, given it as unused. A backward that does not run through
         the node gets the walk's answer, or, the node gone with its graph, the engine's."""
-        assert self._accumulators is not None, "a search waits for backward only with accumulators held"
+        assert self._accumulators is not None, ("a search waits for backward only with "
+                                                "accumulators held")
         node = search() if first is not None else None
         if first is None or node is None:
             return self._accumulators.unused()
@@ -393,15 +404,18 @@ class Reducer:
         bucket = self._bucket_of[index]
         bucket.pending -= 1
         if bucket.pending == 0:
-            it.timeline.events.append((self._settings.clock(), EventKind.BUCKET_READY, bucket.index))
+            it.timeline.events.append((self._settings.clock(), EventKind.BUCKET_READY,
+                                       bucket.index))
             reductions = self._reductions
             reductions.fill(it, bucket)
-            if bucket.index == reductions.started and reductions.start_ready(it) and self.phase is _BACKWARD:
+            if (bucket.index == reductions.started and reductions.start_ready(it)
+                    and self.phase is _BACKWARD):
                 self._all_launched(it)  # strictly in order: this one and every full one after it
         elif kind == EventKind.READY and bucket.copies_early:
             position = self._position[index]
             if bucket.early[position]:
-                bucket.copy_early(position, self._reductions.divisor(it), self.config.gradient_as_bucket_view)
+                bucket.copy_early(position, self._reductions.divisor(it),
+                                  self.config.gradient_as_bucket_view)
 
     def _all_launched(self, it: Iteration) -> None:
         """Every bucket is on its way: reduce the used map; finish at the end of backward."""
@@ -413,20 +427,22 @@ class Reducer:
 
     def _queue_end_of_backward(self, it: Iteration) -> None:
         it.end_queued = True
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._end_of_backward, it))
+        torch.autograd.Variable._execution_engine.queue_callback(
+            functools.partial(self._end_of_backward, it))
 
     def _end_of_backward(self, it: Iteration) -> None:
         """Queued once per iteration on the autograd engine; runs when backward has ended."""
         if it is not self._it:
             return  # an iteration since abandoned
         if self.phase is Phase.PREPARED:
-            it.end_queued = it.answered = False  # no gradient of ours came (torch.autograd.grad): re-arm
+            # no gradient of ours came (torch.autograd.grad): re-arm
+            it.end_queued = it.answered = False
             return
         if self.phase is not Phase.BACKWARD and self.phase is not Phase.LAUNCHED:
             return  # finished already
         if self._settings.static is not None and self._settings.static.learning:
-            static_graph.finish_first_iteration(self._settings.static, it, self._mark, self._start_used_map,
-                                                self.finish_backward)
+            static_graph.finish_first_iteration(self._settings.static, it, self._mark,
+                                                self._start_used_map, self.finish_backward)
             return
         if self.phase is Phase.BACKWARD:
             self._complete_missing(it)
@@ -462,8 +478,10 @@ class Reducer:
         it.timeline.backward_end_ns = self._settings.clock()
         try:
             with torch.no_grad(), profiled("gradsync.finish_backward"):
-                self._waits.begin(self.iteration, self.config.timeout, self.buckets, self._reductions.done_within)
-                self.last_used, self.reductions = self._reductions.write_back(it), self.reductions + 1
+                self._waits.begin(self.iteration, self.config.timeout, self.buckets,
+                                  self._reductions.done_within)
+                self.last_used, self.reductions = (self._reductions.write_back(it),
+                                                   self.reductions + 1)
         finally:
             self.phase = Phase.REDUCED  # the marks kept: a gradient still coming is reported
             it.timeline.finish_ns = self._settings.clock()
@@ -500,7 +518,8 @@ class Reducer:
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Reduce each bucket with `hook(state, bucket)` instead of averaging all-reduce."""
-        check_registration(self._settings.comm_hook, hook, self.iteration, self._settings.casts_to_reduce_dtype)
+        check_registration(self._settings.comm_hook, hook, self.iteration,
+                           self._settings.casts_to_reduce_dtype)
         if self._bucket_set.shards is not None:  # the hook's reduction, done as a reduce-scatter
             self._bucket_set.reduce_as_hook(state, hook, self.process_group)
         self._settings.comm_hook = (state, hook)
@@ -554,7 +573,8 @@ class Reducer:
         it.micro_steps, it.joined = 0, True
         self._waits.begin(self.iteration, self.config.timeout, [])
         try:
-            self.last_used, self.reductions = shadow.shadow_iteration(self._reductions, self._used, it), self.reductions + 1
+            self.last_used, self.reductions = (
+                shadow.shadow_iteration(self._reductions, self._used, it), self.reductions + 1)
         finally:
             self._clear_reduction()
 

@@ -78,8 +78,9 @@ class Flight:
 class Reductions:
     """Starts, lands and writes back the buckets of `bucket_set` over `group`."""
 
-    def __init__(self, settings: Settings, bucket_set: BucketSet, group: dist.ProcessGroup, checks: ReportChecks,
-                 waits: Waits, used: UsedMap, calls: DeviceCalls | None) -> None:
+    def __init__(self, settings: Settings, bucket_set: BucketSet, group: dist.ProcessGroup,
+                 checks: ReportChecks, waits: Waits, used: UsedMap,
+                 calls: DeviceCalls | None) -> None:
         self.settings, self.bucket_set, self.group = settings, bucket_set, group
         self.checks, self.waits, self.used, self.calls = checks, waits, used, calls
         self.names, self.rank = bucket_set.names, group.rank()
@@ -113,7 +114,8 @@ class Reductions:
         """Drop what an iteration left (finished or abandoned): each bucket's state reset, a
         transient buffer still reducing not lent again."""
         same_layout = len(self.flights) == len(self.buckets)
-        for bucket, flight in zip(self.buckets, self.flights if same_layout else [Flight()] * len(self.buckets)):
+        for bucket, flight in zip(self.buckets,
+                                  self.flights if same_layout else [Flight()] * len(self.buckets)):
             bucket.reset(reusable=flight.work is None or flight.work.is_completed())
         self.flights = [Flight() for _ in self.buckets]
 
@@ -124,7 +126,8 @@ class Reductions:
         mixed precision (more elements would change how gloo sums a bucket in its own dtype,
         and torch's hook sends the gradients alone)."""
         s = self.settings
-        return s.comm_hook is None and not s.divides_after_sum and not s.defer and self.buckets[-1].has_tail
+        return (s.comm_hook is None and not s.divides_after_sum and not s.defer
+                and self.buckets[-1].has_tail)
 
     # ----------------------------------------------------------------------- filling
 
@@ -154,7 +157,8 @@ class Reductions:
         bucket.fill(self.divisor(it), config.gradient_as_bucket_view)
 
     def _check_finite(self, it: Iteration, bucket: Bucket) -> None:
-        grads, names = [p.grad for p in bucket.params], [self.names[i] for i in bucket.param_indices]
+        grads, names = ([p.grad for p in bucket.params],
+                        [self.names[i] for i in bucket.param_indices])
         if not self.settings.defer:
             check_finite(grads, names, self.rank, it.number)
         elif (pending := check_finite_later(grads, names, self.rank, it.number)) is not None:
@@ -170,8 +174,8 @@ class Reductions:
             raise GradSyncError(
                 f"gradsync: parameter {self.names[bucket.param_indices[0]]!r} was declared to "
                 f"get a sparse gradient but has {kind} in iteration {it.number} on rank "
-                f"{self.rank}{frozen}. Build its module with sparse=True on every rank and use it in "
-                "every iteration, or declare it dense."
+                f"{self.rank}{frozen}. Build its module with sparse=True on every rank and use it "
+                "in every iteration, or declare it dense."
             )
 
     # ----------------------------------------------------------------------- launching
@@ -182,7 +186,8 @@ class Reductions:
         buckets, s = self.buckets, self.settings
         while self.started < len(buckets) and buckets[self.started].pending == 0:
             bucket = buckets[self.started]
-            bucket.launch_payload(s.config.reduce_dtype if s.casts_to_reduce_dtype else None, it.divisor)
+            bucket.launch_payload(s.config.reduce_dtype if s.casts_to_reduce_dtype else None,
+                                  it.divisor)
             self.started += 1
             if not self.hooked:
                 self._start(it, bucket)
@@ -210,7 +215,8 @@ class Reductions:
         if self.settings.device_timed:  # device time: on a side stream that waits for it
             self.settings.device_clock.after(work, events, EventKind.COMPLETE, bucket.index)  # type: ignore[union-attr]
         elif bucket.collective is Collective.ALL_REDUCE:
-            work.get_future().add_done_callback(functools.partial(_record_completion, events, clock, bucket.index))
+            work.get_future().add_done_callback(
+                functools.partial(_record_completion, events, clock, bucket.index))
         # gloo's reduce-scatter has no Future: its completion is recorded when it lands.
 
     def hand_to_hook(self, it: Iteration) -> None:
@@ -262,8 +268,8 @@ class Reductions:
                 future = _hook_future(self.group, state, hook, bucket, flight.view)
         except Exception as error:  # reported at the end of backward, on the backward thread
             flight.error = GradSyncError(
-                f"gradsync: communication hook {hook_name(hook)} raised on {self._where(it, bucket)}: "
-                f"{type(error).__name__}: {error}"
+                f"gradsync: communication hook {hook_name(hook)} raised on "
+                f"{self._where(it, bucket)}: {type(error).__name__}: {error}"
             )
             flight.error.__cause__ = error
             flight.hook_done.set()
@@ -272,7 +278,8 @@ class Reductions:
         # The callback runs on a communication thread: it holds only this iteration's flight
         # and timeline, never this object (so never the process group, which, were the
         # callback its last holder, would be destroyed on its own worker thread: a deadlock).
-        future.add_done_callback(functools.partial(_hook_completed, flight.hook_done, events, clock, bucket.index))
+        future.add_done_callback(functools.partial(_hook_completed, flight.hook_done, events, clock,
+                                                   bucket.index))
 
     def _where(self, it: Iteration, bucket: Bucket) -> str:
         if it.joined:
@@ -304,7 +311,8 @@ class Reductions:
             self._land_shard(it, bucket)
             return
         else:
-            assert flight.stage is Stage.STARTED, f"bucket {bucket.index} landed before it was started"
+            assert flight.stage is Stage.STARTED, (f"bucket {bucket.index} landed before it was "
+                                                   "started")
             self.waits(flight.work, f"all-reduce of bucket {bucket.index}", bucket)
             if bucket.sparse:
                 bucket.accept(flight.work.result()[0])  # type: ignore[union-attr]
@@ -313,8 +321,10 @@ class Reductions:
     def _land_shard(self, it: Iteration, bucket: Bucket) -> None:
         """A reduce-scatter bucket has landed: take its shard, give its buffer back."""
         flight = self.flights[bucket.index]
-        assert flight.stage is Stage.STARTED, f"bucket {bucket.index} landed before it was started"
-        self.waits(flight.work, f"reduce-scatter of bucket {bucket.index}", bucket)  # raises if it failed
+        assert flight.stage is Stage.STARTED, (f"bucket {bucket.index} landed before it was "
+                                               "started")
+        # raises if it failed
+        self.waits(flight.work, f"reduce-scatter of bucket {bucket.index}", bucket)
         if not self.settings.device_timed:  # gloo's reduce-scatter has no Future to time it by
             it.timeline.events.append((self.settings.clock(), EventKind.COMPLETE, bucket.index))
         bucket.take_shard()
@@ -342,7 +352,8 @@ class Reductions:
             # work (NCCL's Futures complete at enqueue), so the copy out reads landed data.
             value = flight.future.wait()
         except Exception as error:
-            raise GradSyncError(f"gradsync: communication hook {hook} failed for {where}: {error}") from error
+            raise GradSyncError(f"gradsync: communication hook {hook} failed for {where}: "
+                                f"{error}") from error
         if isinstance(value, (list, tuple)) and len(value) == 1:
             value = value[0]
         if bucket.sparse:
@@ -458,8 +469,8 @@ class Reductions:
             frozen = [names[i] for i in it.missing if not params[i].requires_grad]
             return missing_gradients_error(
                 mine, it.number, self.rank, self.group if everyone else None,
-                self.settings.config.timeout, self.settings.find_unused, self.settings.static is not None,
-                frozen,
+                self.settings.config.timeout, self.settings.find_unused,
+                self.settings.static is not None, frozen,
             )
 
         return error
@@ -488,7 +499,8 @@ def _hook_completed(done: threading.Event, events: list, clock: Callable[[], int
     done.set()  # the next bucket goes to the hook from the backward thread, not from here
 
 
-def _record_completion(events: list, clock: Callable[[], int], bucket_index: int, _future: object) -> None:
+def _record_completion(events: list, clock: Callable[[], int], bucket_index: int,
+                       _future: object) -> None:
     events.append((clock(), EventKind.COMPLETE, bucket_index))
 
 

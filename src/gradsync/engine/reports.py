@@ -38,7 +38,8 @@ from .device import HostRead
 from .errors import GradSyncError, missing_elsewhere_message, uneven_accumulation_message
 from .waits import Waits
 
-__all__ = ["RankReport", "ReportChecks", "Reports", "decode", "encode", "exact_counts", "saturation", "uneven"]
+__all__ = ["RankReport", "ReportChecks", "Reports", "decode", "encode", "exact_counts",
+           "saturation", "uneven"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +51,8 @@ class RankReport:
 def saturation(dtype: torch.dtype) -> int:
     """The count written in place of any count at least this large, for `dtype`."""
     if dtype.is_floating_point:
-        exact = round(2 / torch.finfo(dtype).eps)  # 2 ** (mantissa bits + 1): integers exact to here
+        # 2 ** (mantissa bits + 1): integers exact to here
+        exact = round(2 / torch.finfo(dtype).eps)
     else:
         exact = 2**62
     return exact // 2 - 1
@@ -72,7 +74,8 @@ def decode(values: list[float], dtype: torch.dtype) -> list[RankReport]:
     for value in values:
         code = int(round(value))
         count = code // 2
-        reports.append(RankReport(micro_steps=None if count >= top else count, missing=bool(code % 2)))
+        reports.append(RankReport(micro_steps=None if count >= top else count,
+                                  missing=bool(code % 2)))
     return reports
 
 
@@ -98,7 +101,8 @@ class Reports:
         if template is None:
             if len(self._templates) > 64:  # counts that keep changing: stay bounded
                 self._templates.clear()
-            template = self._templates[key] = encode(torch.empty_like(like), self.rank, micro_steps, missing)
+            template = self._templates[key] = encode(torch.empty_like(like), self.rank, micro_steps,
+                                                     missing)
         return template
 
     def attach(self, tail: torch.Tensor, micro_steps: int, missing: bool) -> None:
@@ -114,7 +118,8 @@ class Reports:
         reports.copy_(self._template(reports, micro_steps, missing))
         self._pending = (reports, self.group.allreduce([reports]))
 
-    def finish(self, wait: Callable[[dist.Work, str], None], micro_steps: int) -> list[RankReport] | None:
+    def finish(self, wait: Callable[[dist.Work, str], None],
+               micro_steps: int) -> list[RankReport] | None:
         """Every rank's report (None at world size 1, where there is nobody to tell)."""
         if self._pending is None:
             return None
@@ -163,7 +168,8 @@ class ReportChecks:
         self.reports = Reports(group)
         self.rank, self.waits = group.rank(), waits
         self._deferred: deque[tuple[int, HostRead]] = deque()  # (iteration, its reports)
-        self._finite: deque[tuple[int, PendingFinite]] = deque()  # deferred finite checks, one per bucket
+        # deferred finite checks, one per bucket
+        self._finite: deque[tuple[int, PendingFinite]] = deque()
 
     def start(self, device: torch.device, micro_steps: int, missing: bool) -> None:
         """This rank's report in a small all-reduce of its own (when it cannot ride along)."""
@@ -190,7 +196,8 @@ class ReportChecks:
         """Deferred read-back: this rank's own missing gradients raise now (the host knows
         them); the summed reports are read once they have landed (`check_landed`)."""
         pending = self.reports.finish_later(self.waits)
-        self.check_landed(iteration, check_accumulation)  # what has landed (a joined rank never starts an iteration)
+        # what has landed (a joined rank never starts an iteration)
+        self.check_landed(iteration, check_accumulation)
         if pending is not None:
             self._deferred.append((iteration, pending))
         if own_missing_error is not None:
@@ -201,7 +208,8 @@ class ReportChecks:
         not waiting), and those of the iteration before last in any case; raise what they show."""
         self._drain(self._finite, iteration, lambda _, finite: finite.check())
         self._drain(self._deferred, iteration,
-                    lambda number, pending: self._check_reports_of(number, pending, check_accumulation))
+                    lambda number, pending: self._check_reports_of(number, pending,
+                                                                   check_accumulation))
 
     def _drain(self, queue: deque, iteration: int, check: Callable[[int, Any], None]) -> None:
         """Check, oldest first, the (iteration, pending read) entries of `queue` that have
@@ -217,7 +225,8 @@ class ReportChecks:
                 queue.clear()
                 raise
 
-    def _check_reports_of(self, iteration: int, pending: HostRead, check_accumulation: bool) -> None:
+    def _check_reports_of(self, iteration: int, pending: HostRead,
+                          check_accumulation: bool) -> None:
         reports = decode(pending.get(), torch.int64)
         elsewhere = [r for r, report in enumerate(reports) if report.missing and r != self.rank]
         if elsewhere:

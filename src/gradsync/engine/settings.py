@@ -56,7 +56,8 @@ class Settings:
         settings = cls(config, device_clock, find_unused=config.find_unused_parameters,
                        static=StaticGraph(n_params) if config.static_graph else None,
                        casts_to_reduce_dtype=config.casts_to_reduce(param_dtype),  # type: ignore[arg-type]
-                       divides_after_sum=config.bucket_dtype is not None or config.reduce_dtype is not None)
+                       divides_after_sum=(config.bucket_dtype is not None
+                                          or config.reduce_dtype is not None))
         settings.reconfigure(config, group)
         return settings
 
@@ -65,11 +66,13 @@ class Settings:
         self.config = config
         self.clock = recording_clock(config, self.device_clock)
         self.device_timed = self.clock is self.device_clock
-        self.defer = not host_runs_collectives(group) if config.read_back == "auto" else config.read_back == "deferred"
+        self.defer = (not host_runs_collectives(group) if config.read_back == "auto"
+                      else config.read_back == "deferred")
 
     def make_static(self, n_params: int) -> ReducerConfig:
         """static_graph on (it replaces the unused-parameter search); the new config."""
-        self.config = dataclasses.replace(self.config, static_graph=True, find_unused_parameters=False)
+        self.config = dataclasses.replace(self.config, static_graph=True,
+                                          find_unused_parameters=False)
         self.static, self.find_unused = StaticGraph(n_params), False
         return self.config
 
@@ -89,6 +92,7 @@ def changed_config(config: ReducerConfig, changes: dict[str, object]) -> Reducer
 def recording_clock(config: ReducerConfig, device_clock: EventClock | None) -> Callable[[], int]:
     if not config.record_events:
         return no_clock
-    if device_clock is not None and config.clock in (time.perf_counter_ns, device_clock):  # not the user's own
+    # not the user's own
+    if device_clock is not None and config.clock in (time.perf_counter_ns, device_clock):
         return device_clock
     return config.clock

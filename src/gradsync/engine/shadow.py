@@ -47,7 +47,8 @@ def shadow_iteration(reductions: Reductions, used_map: UsedMap, it: Iteration) -
     return used
 
 
-def _shadow_used_map(reductions: Reductions, used: UsedMap, device: torch.device) -> list[int] | None:
+def _shadow_used_map(reductions: Reductions, used: UsedMap,
+                     device: torch.device) -> list[int] | None:
     """The used map with nothing used here: which parameters the active ranks used."""
     if not reductions.settings.find_unused:
         return None

@@ -58,8 +58,8 @@ class StaticGraph:
         return self.used_map
 
 
-def learning_fire(static: StaticGraph, it: Iteration, used: UsedMap, index: int, param: torch.Tensor,
-                  queue_end: Callable[[Iteration], None]) -> None:
+def learning_fire(static: StaticGraph, it: Iteration, used: UsedMap, index: int,
+                  param: torch.Tensor, queue_end: Callable[[Iteration], None]) -> None:
     """A hook in the first iteration: counted (by `StaticGraph.fire`); reduced at its end."""
     if param.grad is not None:  # fired without a gradient: unused here, as torch counts it
         used.local[index] = 1
@@ -69,8 +69,10 @@ def learning_fire(static: StaticGraph, it: Iteration, used: UsedMap, index: int,
         queue_end(it)
 
 
-def finish_first_iteration(static: StaticGraph, it: Iteration, mark: Callable[[Iteration, int, int], None],
-                           start_used_map: Callable[[Iteration], None], finish: Callable[[], None]) -> None:
+def finish_first_iteration(static: StaticGraph, it: Iteration,
+                           mark: Callable[[Iteration, int, int], None],
+                           start_used_map: Callable[[Iteration], None],
+                           finish: Callable[[], None]) -> None:
     """End of the first backward: learn the counts, then reduce everything (`mark` each
     parameter ready, the fired ones in their order), the used map too, and `finish`."""
     fired = it.timeline.ready_order()

@@ -69,7 +69,8 @@ class StallMonitor(Protocol):
 
     def publish_missing(self, iteration: int, missing: list[str]) -> dict[int, list[str]]: ...
 
-    def report(self, iteration: int, waited: timedelta, pending: list[tuple[int, list[str]]]) -> str: ...
+    def report(self, iteration: int, waited: timedelta,
+               pending: list[tuple[int, list[str]]]) -> str: ...
 
 
 class Waits:
@@ -97,6 +98,12 @@ class Waits:
         if self.monitor is not None and done_within is not None:
             self._watch_for_stall()
 
+    def end(self) -> None:
+        """The iteration's waits are over: let go of its buckets and of `done_within` (a bound
+        method of the buckets' owner, which holds these waits: kept, the two would keep each
+        other and the process group alive until the interpreter tears them down at exit)."""
+        self._buckets, self._done_within = [], _never_asked
+
     def __call__(self, work: dist.Work | None, what: str, bucket: Bucket | None = None) -> None:
         assert work is not None, f"{what} was never started"
         try:  # the message is built only on failure, off the normal path
@@ -111,7 +118,8 @@ class Waits:
             what += f"\n{self._stall_report}\n"
         return f"iteration {self.iteration}: {what}"
 
-    def _with_pending_report(self, failure: ReductionTimeoutError, bucket: Bucket | None) -> ReductionTimeoutError:
+    def _with_pending_report(self, failure: ReductionTimeoutError,
+                             bucket: Bucket | None) -> ReductionTimeoutError:
         if self.monitor is None or self._stall_report or bucket is None:
             return failure
         # Failed before the monitor's warning (a peer crashed): report now. Buckets are taken

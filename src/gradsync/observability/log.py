@@ -1,8 +1,9 @@
 """The `gradsync` logger: quiet by default, detailed on request.
 
-Set `GRADSYNC_DEBUG=INFO` to see construction, bucket rebuilds and stalls, or `GRADSYNC_DEBUG=DETAIL`
-to also log every iteration's stats (in the spirit of torch's `TORCH_DISTRIBUTED_DEBUG`). Or
-configure the `gradsync` logger with the standard `logging` module like any other.
+Set `GRADSYNC_DEBUG=INFO` to see construction, bucket rebuilds and stalls, or
+`GRADSYNC_DEBUG=DETAIL` to also log every iteration's stats (in the spirit of torch's
+`TORCH_DISTRIBUTED_DEBUG`). Or configure the `gradsync` logger with the standard `logging` module
+like any other.
 """
 
 from __future__ import annotations

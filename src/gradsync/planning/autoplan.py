@@ -518,7 +518,8 @@ def _median_total_ms(timelines: list) -> float:
 
 
 def _agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
-    """Each value's maximum over the ranks: the same inputs, hence the same decisions, everywhere."""
+    """Each value's maximum over the ranks: the same inputs, hence the same decisions,
+    everywhere."""
     agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
     what = "agreement on measured timings (bucket_cap_mb='auto')"
     return all_reduce(

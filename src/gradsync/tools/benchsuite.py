@@ -10,9 +10,9 @@ variant's CPU time per step on the rank (how close its step is to being CPU-boun
 that every synchronising variant ended with the same parameters, and writes a markdown table,
 a JSON file and a PNG chart.
 
-Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with gradient_as_bucket_view; gradsync with
-planned buckets (`bucket_cap_mb="auto"`); no overlap (plain backward, then one flat all-reduce);
-and the compute-only floor (no communication at all).
+Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with
+gradient_as_bucket_view; gradsync with planned buckets (`bucket_cap_mb="auto"`); no overlap (plain
+backward, then one flat all-reduce); and the compute-only floor (no communication at all).
 
 With --device cuda (or cpu) or --model: the device bench (`gradsync.tools.devicebench`,
 described at the end of --help): GPU-sized models, CUDA-event times, peak memory, your own model.

@@ -18,7 +18,8 @@ reason where netem is missing. Needs root and iproute2 (`ip`, `tc`) and `unshare
 `with` block (also by an exception), interpreter exit, SIGTERM; and namespaces a killed run left
 behind are removed by the next one (their names carry the owner's pid).
 
-    python -m gradsync.tools.cluster --hosts 3 --link 1gbit -- python -c "import socket; print(socket.gethostname())"
+    python -m gradsync.tools.cluster --hosts 3 --link 1gbit -- \
+        python -c "import socket; print(socket.gethostname())"
 """
 
 from __future__ import annotations

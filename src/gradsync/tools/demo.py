@@ -2,7 +2,8 @@
 
 Run through torch's launcher (`gradsync demo` does this for you):
 
-    python -m torch.distributed.run --standalone --nproc-per-node 2 -m gradsync.tools.demo --epochs 20
+    python -m torch.distributed.run --standalone --nproc-per-node 2 \
+        -m gradsync.tools.demo --epochs 20
 
 Data: scikit-learn's bundled 8x8 handwritten digits (1,797 images, nothing downloaded), 80/20
 train/test split. Each step every rank takes its share of a global batch; gradsync averages the

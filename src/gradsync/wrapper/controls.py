@@ -120,4 +120,5 @@ class ReducerControls:
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
         """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,
         before it splits their optimizer state across `group`: a wrapper whose set of ranks
-        changes from step to step (gradsync.ft) refuses, with the reason. Here: nothing to refuse."""
+        changes from step to step (gradsync.ft) refuses, with the reason. Here: nothing to
+        refuse."""

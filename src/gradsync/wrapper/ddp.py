@@ -2,7 +2,8 @@
 
 Swap `torch.nn.parallel.DistributedDataParallel` for this class and nothing else changes:
 
-    torchrun --nproc-per-node 2 train.py      # train.py: model = gradsync.DistributedDataParallel(model)
+    # train.py: model = gradsync.DistributedDataParallel(model)
+    torchrun --nproc-per-node 2 train.py
 
 Construction checks that every rank holds the same parameters (before any bucket collective
 could hang on a mismatch), broadcasts rank 0's parameters and buffers, and builds the Reducer
@@ -127,7 +128,8 @@ class DistributedDataParallel(ReducerControls, _Base):
         self.device_ids, self.output_device = resolve_devices(module, device_ids, output_device)
         self._keep_options(dim, find_unused_parameters, gradient_as_bucket_view, static_graph,
                            skip_all_reduce_unused_params, batched_grad_copy)
-        self.forward_sync_buffers, init_buffers = buffer_policy(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers, init_buffers = buffer_policy(broadcast_buffers,
+                                                                forward_sync_buffers)
         self._start_counting()
         self._choose_parameters(bucket_cap_mb, bucket_cap_mb_list, delay_all_reduce_named_params,
                                 param_to_hook_all_reduce, mixed_precision)
@@ -139,7 +141,8 @@ class DistributedDataParallel(ReducerControls, _Base):
     # --------------------------------------------------------------------- construction
 
     def _keep_options(
-        self, dim: int, find_unused: bool, as_view: bool, static_graph: bool, skip_unused: bool, batched: bool
+        self, dim: int, find_unused: bool, as_view: bool, static_graph: bool, skip_unused: bool,
+        batched: bool
     ) -> None:
         # The flags as truth values, as torch reads them (1 and None are accepted there).
         self.dim = dim
@@ -169,15 +172,18 @@ class DistributedDataParallel(ReducerControls, _Base):
         self._auto = AutoBuckets() if cap_mb == "auto" else None
         self._limits = bucket_limits(None if self._auto else cap_mb, cap_mb_list)  # type: ignore[arg-type]
         self._delay_args = (delay_named, delay_trigger)
-        self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args, self.process_group)
+        self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args,
+                                                        self.process_group)
         delayed_names = {n for n, _ in delay_named or ()}
-        self._named_params = trainable_parameters(self.module, delayed_names, self._delayed is not None)
+        self._named_params = trainable_parameters(self.module, delayed_names,
+                                                  self._delayed is not None)
         self._mixed = mixed_precision_params(self.module, mixed, self.gradient_as_bucket_view)
         self._buffers_to_sync = module_buffers(self.module)
 
     def _sync_initial_state(self, include_buffers: bool) -> None:
         check_same_parameters(self.process_group, self._named_params)
-        broadcast_state(self.module, self.process_group, self._buffers_to_sync if include_buffers else None)
+        broadcast_state(self.module, self.process_group,
+                        self._buffers_to_sync if include_buffers else None)
         if self._delayed is not None:
             self._delayed.broadcast_from_rank0()
 
@@ -192,7 +198,8 @@ class DistributedDataParallel(ReducerControls, _Base):
     def _build_reducer(self) -> TorchNamedReducer:
         config = reducer_config(self._searches_unused(), self.static_graph, self._mixed,
                                 self.gradient_as_bucket_view, self._limits[0])
-        reducer = build_reducer(self.module, self._named_params, self.process_group, config, self._limits)
+        reducer = build_reducer(self.module, self._named_params, self.process_group, config,
+                                self._limits)
         reducer.take_micro_steps = weakref.WeakMethod(self._take_micro_steps)
         return reducer
 
@@ -200,10 +207,12 @@ class DistributedDataParallel(ReducerControls, _Base):
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
             self.process_group.rank(), self.process_group.size(), len(self._named_params),
-            len(self.reducer.buckets) if self.reducer else 0, self.find_unused_parameters, self.static_graph,
+            len(self.reducer.buckets) if self.reducer else 0, self.find_unused_parameters,
+            self.static_graph,
         )
 
-    def shard_gradients(self, in_flight: int | None = None, reduce_by: str | None = None) -> Reducer:
+    def shard_gradients(self, in_flight: int | None = None,
+                        reduce_by: str | None = None) -> Reducer:
         """Reduce-scatter the gradients in buckets capped at `bucket_cap_mb`, in reverse
         definition order, for good (gradsync.ZeroRedundancyOptimizer calls this when it holds
         this wrapper's parameters): each rank keeps its shard of each bucket's averaged
@@ -222,7 +231,8 @@ class DistributedDataParallel(ReducerControls, _Base):
         of the wrapped module itself (not through this wrapper): they start a graph of their
         own, whose gradients are local, as under torch's DDP, not late ones."""
         # Mixed precision swaps parameter dtypes around every forward, on purpose.
-        self._placement = Placement(self.module, self._named_params, dtype_swaps=self._mixed is not None)
+        self._placement = Placement(self.module, self._named_params,
+                                    dtype_swaps=self._mixed is not None)
         weakref.finalize(self, UnsynchronisedGradients(frozen_parameters(self.module)).remove)
         if self.reducer is None:
             return
@@ -265,13 +275,15 @@ class DistributedDataParallel(ReducerControls, _Base):
             sync_buffers_from_active_rank(self.process_group, self._buffers_to_sync, is_active=True,
                                           inside_join=self._join_config.enable)
         if self.device_ids:
-            inputs, kwargs = _move_to(inputs, self.device_ids[0]), _move_to(kwargs, self.device_ids[0])
+            inputs, kwargs = (_move_to(inputs, self.device_ids[0]),
+                              _move_to(kwargs, self.device_ids[0]))
         if self._mixed is not None:
             owner = self._shard_owner()
             if owner is not None:  # the low-precision copies are made from whole parameters:
                 owner.wait_parameters()  # no overlapped gather may land after them
             sharded = self.reducer is not None and self.reducer.sharded
-            self._mixed.cast_down(sync, written_back=sync and self._fills_in_backward(), sharded=sharded)
+            self._mixed.cast_down(sync, written_back=sync and self._fills_in_backward(),
+                                  sharded=sharded)
             inputs, kwargs = self._mixed.cast_inputs(inputs), self._mixed.cast_inputs(kwargs)
         return inputs, kwargs, active
 
@@ -324,7 +336,8 @@ class DistributedDataParallel(ReducerControls, _Base):
         """Average over the ranks still training, if join(divide_by_initial_world_size=False)."""
         if active_ranks is None or self._divide_by_initial_world_size:
             return None
-        wait(active_ranks, "join: count of ranks still training", self.process_group, DEFAULT_TIMEOUT)
+        wait(active_ranks, "join: count of ranks still training", self.process_group,
+             DEFAULT_TIMEOUT)
         return int(active_ranks.result()[0].item())
 
     @contextlib.contextmanager
@@ -401,7 +414,8 @@ class DistributedDataParallel(ReducerControls, _Base):
     def _set_static_graph(self) -> None:
         """torch's late switch to static_graph=True: before the first iteration only."""
         if self.static_graph:
-            warnings.warn("You've set static_graph to be True, no need to set it again.", stacklevel=2)
+            warnings.warn("You've set static_graph to be True, no need to set it again.",
+                          stacklevel=2)
             return
         if self.reducer is not None:
             self.reducer.set_static_graph()
@@ -414,7 +428,8 @@ class DistributedDataParallel(ReducerControls, _Base):
             dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook,
         }
         if comm_hook_type not in hooks:
-            raise ValueError(f"unknown built-in communication hook {comm_hook_type!r}; known: {list(hooks)}")
+            raise ValueError(f"unknown built-in communication hook {comm_hook_type!r}; "
+                             f"known: {list(hooks)}")
         self.register_comm_hook(self.process_group, hooks[comm_hook_type])
 
     def will_sync_module_buffers(self) -> bool:
@@ -459,7 +474,8 @@ class DistributedDataParallel(ReducerControls, _Base):
         return ref() if ref is not None else None
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        check_joinable(delayed=self._delayed is not None or self.reducer is None, auto=self._auto is not None)
+        check_joinable(delayed=self._delayed is not None or self.reducer is None,
+                       auto=self._auto is not None)
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return DDPJoinHook(self, self._buffers_to_sync)
 
@@ -485,7 +501,8 @@ class DistributedDataParallel(ReducerControls, _Base):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.process_group = default_group()
-        self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args, self.process_group)
+        self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args,
+                                                        self.process_group)
         self._connect()
 
 

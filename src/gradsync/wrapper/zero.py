@@ -499,5 +499,6 @@ def hook_with_zero_step(hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancy
 def hook_with_zero_step_interleaved(
     hook: Callable[..., Any], ddp: Any, zero: ZeroRedundancyOptimizer, shard_buckets: bool = False
 ) -> Callable[..., Any]:
-    """torch's interleaved variant; gradsync's step is the same either way (`hook_with_zero_step`)."""
+    """torch's interleaved variant; gradsync's step is the same either way
+    (`hook_with_zero_step`)."""
     return hook_with_zero_step(hook, ddp, zero, shard_buckets)
