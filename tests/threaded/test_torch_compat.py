@@ -251,7 +251,7 @@ def test_patch_then_undo_leaves_torch_as_it_was():
 
 
 def test_forwards_that_overlap_across_threads_leave_no_wrapper_active():
-    from gradsync.wrapper.torch_compat import ActiveForwards
+    from gradsync.wrapper.ddp import ActiveForwards
 
     active, a, b = ActiveForwards(), object(), object()
     active.enter(a)

@@ -21,6 +21,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +32,15 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..engine.collectives import DEFAULT_TIMEOUT, wait
+from ..engine.comm import CommHook
 from ..engine.reducer import Reducer
 from ..engine.unused import route_through_sink
 from ..observability.log import log
+from ..observability.stats import Stats
+from ..observability.trace import chrome_trace, write_chrome_trace
+from ..observability.watchdog import StallWatchdog
 from ..planning.autoplan import AutoBuckets, BucketPlan
+from ..planning.simulate import timing_profile
 from .arguments import (
     bucket_limits,
     buffer_policy,
@@ -57,7 +63,6 @@ from .construction import (
     definition_order_layout,
     reducer_config,
 )
-from .controls import ReducerControls
 from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
@@ -89,12 +94,11 @@ _REBUILT_ON_UNPICKLING = ("process_group", "reducer", "_delayed", "_placement")
 
 
 @refuse_torch_internals
-class DistributedDataParallel(ReducerControls, _Base):
+class DistributedDataParallel(_Base):
     """Data-parallel training of `module`: gradients are averaged across `process_group`.
 
     A subclass of torch's class, so that frameworks' `isinstance` checks hold, whose
-    constructor is never run: no C++ reducer, no hooks of torch's (`torch_compat`). The
-    switches and views onto the Reducer (timings, traces, checks) come from `ReducerControls`.
+    constructor is never run: no C++ reducer, no hooks of torch's (`torch_compat`).
     """
 
     def __init__(
@@ -137,6 +141,101 @@ class DistributedDataParallel(ReducerControls, _Base):
             self._sync_initial_state(init_buffers)
         self._connect()
         self._log_wrapped()
+
+    # ------------------------------------------------ seeing inside, and the checks
+
+    def _reducer_for(self, what: str) -> Reducer:
+        """The Reducer, for `what`; an error where there is none (every parameter went to the
+        delayed all-reduce: no buckets to hook, time, watch or check)."""
+        if self.reducer is None:
+            raise RuntimeError(
+                f"{what}: every parameter of this wrapper uses the delayed all-reduce "
+                "(delay_all_reduce_named_params), so there are no buckets")
+        return self.reducer
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Reduce each bucket with `hook(state, bucket) -> Future[Tensor]` (torch's protocol).
+
+        The hook sees the bucket's summed, unaveraged gradients and must return a Future of the
+        averaged (or otherwise reduced) tensor of the same shape and dtype. Call once, before
+        the first forward. torch's own hooks (`torch.distributed.algorithms.ddp_comm_hooks`)
+        and `gradsync.comm_hooks` work as they are.
+        """
+        self._reducer_for("register_comm_hook").register_comm_hook(state, hook)
+
+    def stats(self) -> Stats:
+        """Timings of the last synchronised iteration and medians over recent ones: when each
+        bucket was ready, launched and complete, backward and communication time, the exposed
+        (not overlapped) communication, bytes reduced. `print(ddp.stats())` for a table."""
+        reducer = self._reducer_for("stats")
+        return Stats.from_timelines(reducer.iteration, list(reducer.history))
+
+    def export_timeline(self, path: str, rank_in_name: bool = True) -> str:
+        """Write this rank's recent iterations as a Perfetto / Chrome trace JSON; return the
+        path (with `.rank{N}` inserted before `.json` unless `rank_in_name` is False)."""
+        reducer = self._reducer_for("export_timeline")
+        rank = self.process_group.rank()
+        if rank_in_name and path.endswith(".json"):
+            path = f"{path[:-5]}.rank{rank}.json"
+        trace = chrome_trace(reducer.history, rank, reducer.names)
+        return str(write_chrome_trace(path, trace))
+
+    def enable_stall_watchdog(
+        self,
+        warn_after: float = 60.0,
+        timeout: float | None = None,
+        store: dist.Store | None = None,
+    ) -> None:
+        """When the end of backward waits more than `warn_after` seconds, log which buckets
+        are pending and which ranks have not reached the iteration; raise with that report
+        after `timeout` seconds. `store` defaults to torch's default store when this wrapper
+        uses the default group. Costs one store write per iteration."""
+        reducer = self._reducer_for("enable_stall_watchdog")
+        if store is None and self.process_group is dist.group.WORLD:
+            store = dist.distributed_c10d._get_default_store()
+        group = self.process_group
+        monitor = StallWatchdog(timedelta(seconds=warn_after), store, group.rank(), group.size())
+        reducer.set_stall_monitor(
+            monitor, timedelta(seconds=timeout) if timeout is not None else None)
+
+    def save_timing_profile(self, path: str) -> str:
+        """Write this rank's measured timings (medians of recent iterations) as JSON, for
+        `gradsync simulate --profile`."""
+        reducer = self._reducer_for("save_timing_profile")
+        return str(timing_profile(reducer).save(path))
+
+    def enable_nan_check(self, enable: bool = True) -> None:
+        """Check every gradient for NaN and Inf before it is communicated; the error names
+        the parameter and the rank."""
+        self._reducer_for("enable_nan_check").configure(check_finite=enable)
+
+    def set_accumulation_check(self, enabled: bool) -> None:
+        """On by default: every synchronisation compares, across ranks, how many forward
+        passes it covers, and raises if they differ (no_sync() entered on some ranks only).
+        Turn it off (on every rank) if ranks accumulating different numbers of micro-batches
+        is intended. The counts ride in the last bucket's all-reduce; with a communication hook
+        or mixed precision they take one tiny all-reduce of their own at the end of backward.
+        They travel either way: beside the count, each rank says whether its backward ended
+        with gradients missing, so that every rank raises then."""
+        self._reducer_for("set_accumulation_check").configure(check_accumulation=enabled)
+
+    def report_unused_parameters(self, enable: bool = True) -> None:
+        """With find_unused_parameters, record each iteration which parameters each rank left
+        unused (an all-gather instead of an all-reduce of the used map); read it from
+        `unused_parameters()`."""
+        if not self.find_unused_parameters or self.reducer is None:
+            raise RuntimeError("report_unused_parameters needs find_unused_parameters=True")
+        self.reducer.configure(report_unused=enable)
+
+    def unused_parameters(self) -> dict[str, list[int]]:
+        """{parameter name: ranks that did not use it} for the last synchronised iteration."""
+        return dict(self.reducer.last_unused_report) if self.reducer is not None else {}
+
+    def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
+        """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,
+        before it splits their optimizer state across `group`: a wrapper whose set of ranks
+        changes from step to step (gradsync.ft) refuses, with the reason. Here: nothing to
+        refuse."""
 
     # --------------------------------------------------------------------- construction
 
