@@ -89,6 +89,7 @@ class Reductions:
         self.settled = 0  # transient buckets before it have landed and given their buffers back
         self.hooked = False  # this iteration's buckets go through the communication hook
         self.hook_waiting = False  # buckets full and in order wait for their predecessor's Future
+        self._hooks_in_order = False  # this iteration's hook goes without waiting (`begin`)
         self._released = 0  # with a hook: buckets full and in order, free to go to it
         self._hooked_count = 0  # with a hook: buckets handed to it
         self._lock = threading.RLock()  # the hook's launches: from gradient hooks of any thread
@@ -108,6 +109,8 @@ class Reductions:
         # Sharded buckets run a registered hook themselves, as a reduce-scatter (`BucketSet.shard`).
         self.hooked = s.comm_hook is not None and self.bucket_set.shards is None
         self.hook_waiting = False
+        # Known hooks that issue their one all-reduce inside the call go as their buckets fill.
+        self._hooks_in_order = self.hooked and averages_by_one_allreduce(s.comm_hook[1])  # type: ignore[index]
         it.reports_in_tail = self.reports_in_tail()
 
     def clear(self) -> None:
@@ -242,7 +245,7 @@ class Reductions:
             return
         self._launching = True
         try:
-            in_order = averages_by_one_allreduce(self.settings.comm_hook[1])  # type: ignore[index]
+            in_order = self._hooks_in_order
             while self._hooked_count < self._released:
                 previous = self.flights[self._hooked_count - 1] if self._hooked_count else None
                 if not in_order and previous is not None and not previous.hook_done.is_set():  # type: ignore[union-attr]
