@@ -8,6 +8,7 @@ like any other.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -50,12 +51,12 @@ def detail_enabled() -> bool:
 
 class IterationLog:
     """A Reducer iteration listener: one line of stats per iteration at GRADSYNC_DEBUG=DETAIL.
-    `wanted` says when: on a GPU a timeline is resolved (its events asked) only for a listener
-    that wants it."""
+    `wanted` says when, asked before each call: on a GPU a timeline is resolved (its events
+    asked) only for a listener that wants it, and with logging off nothing is called at all."""
 
-    def wanted(self) -> bool:
-        return detail_enabled()
+    def __init__(self) -> None:
+        # the logger's own check, so an iteration with logging off costs one call into logging
+        self.wanted = functools.partial(log.isEnabledFor, logging.DEBUG)
 
     def __call__(self, rank: int, timeline: IterationTimeline) -> None:
-        if detail_enabled():
-            log.debug("rank %d: %s", rank, IterationStats.from_timeline(timeline))
+        log.debug("rank %d: %s", rank, IterationStats.from_timeline(timeline))

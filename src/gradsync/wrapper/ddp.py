@@ -9,7 +9,8 @@ Construction checks that every rank holds the same parameters (before any bucket
 could hang on a mismatch), broadcasts rank 0's parameters and buffers, and builds the Reducer
 with torch's layout policy: one bucket for the first iteration, rebuilt in gradient-ready order.
 The steps live beside this class: the arguments in `arguments`, the collectives and the Reducer
-in `construction`, the guards on the wrapped module in `module_guards`, checkpoints in
+in `construction`, the guards on the wrapped module in `module_guards` (those of every forward,
+`Placement` and `ForwardWatcher`, here), checkpoints in
 `checkpoint`, uneven inputs in `join`, what frameworks call on torch's class in `torch_compat`.
 """
 
@@ -33,6 +34,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from ..engine.collectives import DEFAULT_TIMEOUT, wait
 from ..engine.comm import CommHook
+from ..engine.errors import GradSyncError
 from ..engine.reducer import Reducer
 from ..engine.unused import route_through_sink
 from ..observability.log import log
@@ -66,12 +68,7 @@ from .construction import (
 from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
-from .module_guards import (
-    ForwardWatcher,
-    Placement,
-    UnsynchronisedGradients,
-    check_outputs_hold_tensors,
-)
+from .module_guards import UnsynchronisedGradients, check_outputs_hold_tensors
 from .torch_compat import (
     TorchDDP,
     TorchNamedReducer,
@@ -603,6 +600,67 @@ class DistributedDataParallel(_Base):
         self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args,
                                                         self.process_group)
         self._connect()
+
+
+class ForwardWatcher:
+    """Forward pre-hook on the wrapped module: tells the reducer (held weakly) that a forward
+    started. Pickles (with the module) to a no-op; the unpickled wrapper adds its own."""
+
+    def __init__(self, reducer: Reducer | None) -> None:
+        self.reducer = weakref.ref(reducer) if reducer is not None else None
+
+    def __call__(self, _module: nn.Module, _inputs: Any) -> None:
+        alive = self.reducer() if self.reducer is not None else None
+        if alive is not None:
+            alive.note_module_forward()
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return (ForwardWatcher, (None,))
+
+
+class Placement:
+    """Where the wrapped parameters were: buckets live on their device and in their dtype, so
+    a module moved or cast after wrapping must be refused, not half-synchronised."""
+
+    SAMPLE = 4  # checked on every forward: the first and last few (a whole-module move)
+
+    def __init__(
+        self, module: nn.Module, named: list[tuple[str, nn.Parameter]], dtype_swaps: bool
+    ) -> None:
+        owners = dict(module.named_modules())
+        self.entries = []
+        for name, param in named:
+            owner, _, attr = name.rpartition(".")
+            self.entries.append((name, owners[owner], attr, param, param.device, param.dtype))
+        k = self.SAMPLE
+        self.sample = (
+            self.entries if len(self.entries) <= 2 * k else self.entries[:k] + self.entries[-k:]
+        )
+        self.dtype_swaps = dtype_swaps
+
+    def check(self, sample: bool) -> None:
+        for name, owner, attr, param, device, dtype in self.sample if sample else self.entries:
+            current = owner._parameters.get(attr)
+            if current is not param:
+                self._refuse(
+                    name, f"was replaced by a new tensor ({_where(current)})", device, dtype
+                )
+            if param.device != device or (param.dtype != dtype and not self.dtype_swaps):
+                self._refuse(name, f"is now {_where(param)}", device, dtype)
+
+    @staticmethod
+    def _refuse(name: str, now: str, device: torch.device, dtype: torch.dtype) -> None:
+        raise GradSyncError(
+            f"gradsync: parameter {name!r} was on {device} as {dtype} when the module was "
+            f"wrapped and {now}: the module was moved or cast after wrapping. gradsync's "
+            "gradient buckets were allocated for the parameters as they were, so they can no "
+            "longer be synchronised.\nFix: move or cast the module first, then wrap it: "
+            "model.to(device); ddp = gradsync.DistributedDataParallel(model, ...)."
+        )
+
+
+def _where(t: torch.Tensor | None) -> str:
+    return "None" if t is None else f"on {t.device} as {t.dtype}"
 
 
 # The forward pre-hook's old name: modules pickled with an earlier gradsync hold it.

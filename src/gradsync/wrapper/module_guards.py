@@ -1,10 +1,7 @@
-"""What the wrapper keeps watching on the module it wraps, and why.
+"""What the wrapper watches on the module it wraps, off the step path (the checks made on every
+forward, `Placement` and `ForwardWatcher`, live beside the forward in `ddp`).
 
-The Reducer's buckets were allocated for the parameters as they were when wrapped, so a module
-moved, cast or given new parameter tensors afterwards is refused (`Placement`), not
-half-synchronised. A forward of the wrapped module itself, not through the wrapper, starts a
-graph of its own whose gradients are local, as under torch's DDP (`ForwardWatcher`). And a
-forward whose output holds no tensor leaves nothing to search from for unused parameters. A
+A forward whose output holds no tensor leaves nothing to search from for unused parameters. A
 parameter frozen when wrapped and unfrozen later trains on each rank apart: said once
 (`UnsynchronisedGradients`).
 """
@@ -12,7 +9,6 @@ parameter frozen when wrapped and unfrozen later trains on each rank apart: said
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -20,66 +16,9 @@ import torch
 from torch import nn
 
 from ..engine.errors import GradSyncError
-from ..engine.reducer import Reducer, find_tensors
+from ..engine.reducer import find_tensors
 
-__all__ = ["ForwardWatcher", "Placement", "UnsynchronisedGradients", "check_outputs_hold_tensors"]
-
-
-class ForwardWatcher:
-    """Forward pre-hook on the wrapped module: tells the reducer (held weakly) that a forward
-    started. Pickles (with the module) to a no-op; the unpickled wrapper adds its own."""
-
-    def __init__(self, reducer: Reducer | None) -> None:
-        self.reducer = weakref.ref(reducer) if reducer is not None else None
-
-    def __call__(self, _module: nn.Module, _inputs: Any) -> None:
-        alive = self.reducer() if self.reducer is not None else None
-        if alive is not None:
-            alive.note_module_forward()
-
-    def __reduce__(self) -> tuple[type, tuple[None]]:
-        return (ForwardWatcher, (None,))
-
-
-class Placement:
-    """Where the wrapped parameters were: buckets live on their device and in their dtype, so
-    a module moved or cast after wrapping must be refused, not half-synchronised."""
-
-    SAMPLE = 4  # checked on every forward: the first and last few (a whole-module move)
-
-    def __init__(
-        self, module: nn.Module, named: list[tuple[str, nn.Parameter]], dtype_swaps: bool
-    ) -> None:
-        owners = dict(module.named_modules())
-        self.entries = []
-        for name, param in named:
-            owner, _, attr = name.rpartition(".")
-            self.entries.append((name, owners[owner], attr, param, param.device, param.dtype))
-        k = self.SAMPLE
-        self.sample = (
-            self.entries if len(self.entries) <= 2 * k else self.entries[:k] + self.entries[-k:]
-        )
-        self.dtype_swaps = dtype_swaps
-
-    def check(self, sample: bool) -> None:
-        for name, owner, attr, param, device, dtype in self.sample if sample else self.entries:
-            current = owner._parameters.get(attr)
-            if current is not param:
-                self._refuse(
-                    name, f"was replaced by a new tensor ({_where(current)})", device, dtype
-                )
-            if param.device != device or (param.dtype != dtype and not self.dtype_swaps):
-                self._refuse(name, f"is now {_where(param)}", device, dtype)
-
-    @staticmethod
-    def _refuse(name: str, now: str, device: torch.device, dtype: torch.dtype) -> None:
-        raise GradSyncError(
-            f"gradsync: parameter {name!r} was on {device} as {dtype} when the module was "
-            f"wrapped and {now}: the module was moved or cast after wrapping. gradsync's "
-            "gradient buckets were allocated for the parameters as they were, so they can no "
-            "longer be synchronised.\nFix: move or cast the module first, then wrap it: "
-            "model.to(device); ddp = gradsync.DistributedDataParallel(model, ...)."
-        )
+__all__ = ["UnsynchronisedGradients", "check_outputs_hold_tensors"]
 
 
 class UnsynchronisedGradients:
@@ -121,10 +60,6 @@ class UnsynchronisedGradients:
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-
-
-def _where(t: torch.Tensor | None) -> str:
-    return "None" if t is None else f"on {t.device} as {t.dtype}"
 
 
 def check_outputs_hold_tensors(output: Any, wants_outputs: bool) -> None:
