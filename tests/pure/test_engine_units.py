@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsync.engine.bucket import Bucket
+from gradsync.engine.bucket import Bucket, ReduceBy, Sharding
 from gradsync.engine.pool import BufferPool
 from gradsync.engine.reducer import Phase
 from gradsync.engine.static_graph import StaticGraph
@@ -112,8 +112,8 @@ def test_a_transient_bucket_on_a_stale_lent_buffer_zeros_its_padding_and_tail():
     params = _params((3,), (2,))
     for p in params:
         p.grad = torch.ones_like(p)
-    bucket = Bucket(0, [0, 1], params, collective="reduce_scatter", world_size=2, transient=True,
-                    reduce_by="all_reduce", tail=2, pool=pool)
+    sharding = Sharding(rank=0, transient=True, reduce_by=ReduceBy.ALL_REDUCE, pool=pool)
+    bucket = Bucket(0, [0, 1], params, world_size=2, tail=2, sharding=sharding)
     assert bucket.wire.numel() == 0  # nothing held until the fill
     bucket.fill(divisor=2, as_view=False)
     assert bucket.wire.tolist() == [0.5] * 5 + [0.0] * 2  # gradients / 2, then the tail zeroed

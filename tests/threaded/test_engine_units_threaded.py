@@ -101,13 +101,14 @@ def test_the_reducer_walks_its_phases_in_order():
 
 def test_a_reduce_scatter_bucket_leaves_each_rank_its_shard_of_the_sum():
     # The seam for sharded optimizers: same filling, another collective.
-    from gradsync.engine.bucket import Bucket
+    from gradsync.engine.bucket import Bucket, ReduceBy, Sharding
 
     def body(rank, group):
         params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))]
         for i, p in enumerate(params):
             p.grad = torch.arange(p.numel(), dtype=torch.float32) + 10 * i + rank
-        bucket = Bucket(0, [0, 1], params, collective="reduce_scatter", world_size=2, rank=rank)
+        sharding = Sharding(rank=rank, transient=False, reduce_by=ReduceBy.REDUCE_SCATTER)
+        bucket = Bucket(0, [0, 1], params, world_size=2, sharding=sharding)
         bucket.fill(divisor=2, as_view=False)
         bucket.start(group, bucket.wire).wait()
         return bucket.shard.tolist(), bucket.shard_offset, bucket.wire.numel()
@@ -121,10 +122,11 @@ def test_a_reduce_scatter_bucket_leaves_each_rank_its_shard_of_the_sum():
 def test_bucket_collectives_are_checked():
     import pytest
 
-    from gradsync.engine.bucket import Bucket
+    from gradsync.engine.bucket import Bucket, ReduceBy, Sharding
 
     params = [torch.nn.Parameter(torch.zeros(3))]
-    with pytest.raises(ValueError, match="collective='broadcast'"):
-        Bucket(0, [0], params, collective="broadcast")
+    with pytest.raises(ValueError, match="reduce_by='broadcast'"):
+        Bucket(0, [0], params, sharding=Sharding(0, False, "broadcast"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no tail"):
-        Bucket(0, [0], params, collective="reduce_scatter", tail=2, world_size=2)
+        Bucket(0, [0], params, tail=2, world_size=2,
+               sharding=Sharding(0, False, ReduceBy.REDUCE_SCATTER))

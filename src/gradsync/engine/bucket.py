@@ -22,7 +22,7 @@ import torch
 from .bucket_shard import BucketShard, ReduceBy, member, scaled_into
 from .pool import BufferPool
 
-__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket", "Collective", "ReduceBy", "Sharding",
+__all__ = ["FUSED_COPY_MIN_NUMEL", "Bucket", "Collective", "ReduceBy", "Sharding", "carries_tail",
            "is_dense_permutation", "view_like"]
 
 
@@ -52,15 +52,13 @@ class Sharding:
     hook_dtype: torch.dtype | None = None
 
 
-def _check_arguments(collective: Collective, reduce_by: ReduceBy, sparse: bool, tail: int,
-                     transient: bool) -> None:
-    if (collective is Collective.REDUCE_SCATTER
-            and (sparse or (tail and reduce_by is not ReduceBy.ALL_REDUCE))):
-        raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail "
-                         "(unless reduced by all-reduce)")
-    if transient and collective is not Collective.REDUCE_SCATTER:
-        raise ValueError("only a reduce-scatter bucket can be transient: an all-reduce's result "
-                         "is the buffer")
+def carries_tail(sharding: Sharding | None, sparse: bool = False) -> bool:
+    """Whether a bucket reduced so can carry elements after its gradients: an all-reduce of a
+    dense buffer can (every rank gets every element back); a reduce-scatter cannot, nor a
+    hook's reduction, which may send anything."""
+    if sharding is None:
+        return not sparse
+    return sharding.reduce_by is ReduceBy.ALL_REDUCE and not sharding.hooked
 
 
 class Bucket:
@@ -74,30 +72,29 @@ class Bucket:
         sparse: bool = False,
         dtype: torch.dtype | None = None,
         tail: int = 0,
-        collective: Collective | str = Collective.ALL_REDUCE,
         world_size: int = 1,
-        rank: int = 0,
-        transient: bool = False,
-        reduce_by: ReduceBy | str = ReduceBy.REDUCE_SCATTER,
-        pool: BufferPool | None = None,
-        hooked: bool = False,
-        hook_dtype: torch.dtype | None = None,
+        sharding: Sharding | None = None,
     ):
-        collective = member(Collective, collective, f"collective={collective!r}")
-        reduce_by = member(ReduceBy, reduce_by, f"reduce_by={reduce_by!r}")
-        _check_arguments(collective, reduce_by, sparse, tail, transient)
-        self.index, self.collective, self.transient = index, collective, transient
+        """All-reduced, or with `sharding` reduce-scattered as it says. `tail`: elements after
+        the gradients where small per-rank counts ride (`reports`; `carries_tail` says which
+        bucket can); `dtype` differs from the parameters' under mixed precision, where
+        gradients arrive in the low-precision compute dtype."""
+        self.collective = Collective.ALL_REDUCE if sharding is None else Collective.REDUCE_SCATTER
+        shards = sharding or Sharding(rank=0, transient=False, reduce_by=ReduceBy.REDUCE_SCATTER)
+        reduce_by = member(ReduceBy, shards.reduce_by, f"reduce_by={shards.reduce_by!r}")
+        if sharding is not None and (sparse or (tail and not carries_tail(sharding))):
+            raise ValueError("a reduce-scatter bucket holds dense gradients only, and no tail "
+                             "(unless reduced by all-reduce without a hook)")
+        self.index, self.transient = index, shards.transient
         self._take_params(param_indices, params, sparse)
-        # `dtype` differs from the parameters' under mixed precision: gradients then arrive in
-        # the low-precision compute dtype.
         self._dtype, self._device = dtype or self.params[0].dtype, self.params[0].device
         self._size_wire(tail, world_size)
-        self._make_shard(world_size, rank, reduce_by, pool)
+        self._make_shard(world_size, shards.rank, reduce_by, shards.pool)
         self.hooked = False
-        if hooked:
-            self.reduce_as_hook(hook_dtype)
+        if shards.hooked:
+            self.reduce_as_hook(shards.hook_dtype)
         self.views: list[torch.Tensor] = []
-        if transient:
+        if self.transient:
             self.release()
         else:
             self.allocate()

@@ -13,7 +13,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .bucket import Bucket, Collective, ReduceBy, Sharding
+from .bucket import Bucket, Sharding, carries_tail
 from .bucketing import compute_bucket_assignment_by_size
 from .collectives import broadcast_tensors
 from .errors import format_names
@@ -30,28 +30,18 @@ def make_buckets(
     world_size: int,
     shards: Sharding | None = None,
 ) -> list[Bucket]:
-    """The buckets of `layout`. The last one carries one element per rank after its gradients,
-    where each rank's report rides (`reports`). With `shards` the buckets are
-    reduce-scattered instead, and carry no tail unless all-reduced."""
+    """The buckets of `layout`, all-reduced or, with `shards`, reduce-scattered. The last one
+    carries one element per rank after its gradients, where each rank's report rides
+    (`reports`), if its reduction can carry it (`carries_tail`)."""
     last = len(layout) - 1
-    if shards is not None:
-        return [
-            Bucket(b, indices, params, dtype=dtype, collective=Collective.REDUCE_SCATTER,
-                   world_size=world_size, rank=shards.rank, transient=shards.transient,
-                   reduce_by=shards.reduce_by, pool=shards.pool, hooked=shards.hooked,
-                   hook_dtype=shards.hook_dtype,
-                   tail=(world_size if b == last and world_size > 1
-                         and shards.reduce_by is ReduceBy.ALL_REDUCE and not shards.hooked
-                         else 0))
-            for b, indices in enumerate(layout)
-        ]
-    return [
-        Bucket(
-            b, indices, params, sparse=sparse[indices[0]], dtype=dtype,
-            tail=world_size if b == last and world_size > 1 and not sparse[indices[0]] else 0,
-        )
-        for b, indices in enumerate(layout)
-    ]
+
+    def tail(b: int, indices: list[int]) -> int:
+        rides = b == last and world_size > 1 and carries_tail(shards, sparse[indices[0]])
+        return world_size if rides else 0
+
+    return [Bucket(b, indices, params, sparse=sparse[indices[0]], dtype=dtype,
+                   tail=tail(b, indices), world_size=world_size, sharding=shards)
+            for b, indices in enumerate(layout)]
 
 
 def check_sparse_layout(layout: Sequence[Sequence[int]], sparse: Sequence[bool],
