@@ -1,7 +1,7 @@
 """The package's layers, checked from the source: each layer imports only from the layers below
 it, and no module imports itself back through others (nor, inside a folder, at all, counting
-late imports). No module reads another's private attributes, no class runs past 400 lines nor
-function past 40, and docs/architecture.md names only functions that exist.
+late imports). No module reads another's private attributes, no function's body runs past 40
+lines, and docs/architecture.md names only functions that exist.
 
     engine  <  observability  <  planning  <  wrapper  <  tools
 
@@ -124,7 +124,8 @@ def test_no_import_circle_inside_a_folder_counting_every_import():
 
 
 # Functions only: a class-size limit bent the code to fit it (classes cut into tuples and
-# once-called helpers, #50); a class is as long as what it owns.
+# once-called helpers, #50); a class is as long as what it owns. A function's body is counted,
+# not its signature: torch's constructor takes 17 keywords, one line each.
 MAX_FUNCTION_LINES = 40
 
 
@@ -132,8 +133,10 @@ def _sized(kind: type | tuple[type, ...], limit: int) -> list[str]:
     over = []
     for module, path in sorted(_modules().items()):
         for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, kind) and node.end_lineno - node.lineno + 1 > limit:
-                over.append(f"{module}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+            if isinstance(node, kind):
+                lines = node.end_lineno - node.body[0].lineno + 1
+                if lines > limit:
+                    over.append(f"{module}.{node.name}: {lines} lines")
     return over
 
 

@@ -127,17 +127,38 @@ class DistributedDataParallel(_Base):
         self.module = module
         self.process_group = resolve_group(process_group, device_mesh)
         self.device_ids, self.output_device = resolve_devices(module, device_ids, output_device)
-        self._keep_options(dim, find_unused_parameters, gradient_as_bucket_view, static_graph,
-                           skip_all_reduce_unused_params, batched_grad_copy)
+        # The flags as truth values, as torch reads them (1 and None are accepted there).
+        self.dim = dim
+        self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
+        self.static_graph = bool(static_graph)
+        # torch skips sending parameters unused on every rank (its users promise the unused set
+        # never changes); gradsync still sends their zeros. The results are the same.
+        self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
+        # batched_grad_copy changes only how copies are issued, never the result; accepted.
+        self.batched_grad_copy = bool(batched_grad_copy)
         self.forward_sync_buffers, init_buffers = buffer_policy(broadcast_buffers,
                                                                 forward_sync_buffers)
-        self._start_counting()
+        self.require_backward_grad_sync = True  # False inside no_sync()
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        self._divergence_every = 0  # see enable_divergence_check
+        self._forward_counts = _Forwards()
         self._choose_parameters(bucket_cap_mb, bucket_cap_mb_list, delay_all_reduce_named_params,
                                 param_to_hook_all_reduce, mixed_precision)
-        if init_sync:
-            self._sync_initial_state(init_buffers)
+        if init_sync:  # every rank holds the same parameters; rank 0's state everywhere
+            check_same_parameters(self.process_group, self._named_params)
+            broadcast_state(self.module, self.process_group,
+                            self._buffers_to_sync if init_buffers else None)
+            if self._delayed is not None:
+                self._delayed.broadcast_from_rank0()
         self._connect()
-        self._log_wrapped()
+        log.info(
+            "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
+            self.process_group.rank(), self.process_group.size(), len(self._named_params),
+            len(self.reducer.buckets) if self.reducer else 0, self.find_unused_parameters,
+            self.static_graph,
+        )
 
     # ------------------------------------------------ seeing inside, and the checks
 
@@ -236,28 +257,6 @@ class DistributedDataParallel(_Base):
 
     # --------------------------------------------------------------------- construction
 
-    def _keep_options(
-        self, dim: int, find_unused: bool, as_view: bool, static_graph: bool, skip_unused: bool,
-        batched: bool
-    ) -> None:
-        # The flags as truth values, as torch reads them (1 and None are accepted there).
-        self.dim = dim
-        self.find_unused_parameters = bool(find_unused)
-        self.gradient_as_bucket_view = bool(as_view)
-        self.static_graph = bool(static_graph)
-        # torch skips sending parameters unused on every rank (its users promise the unused set
-        # never changes); gradsync still sends their zeros. The results are the same.
-        self.skip_all_reduce_unused_params = bool(skip_unused)
-        # batched_grad_copy changes only how copies are issued, never the result; accepted.
-        self.batched_grad_copy = bool(batched)
-
-    def _start_counting(self) -> None:
-        self.require_backward_grad_sync = True
-        self.require_forward_param_sync = True
-        self._divide_by_initial_world_size = True
-        self._divergence_every = 0  # see enable_divergence_check
-        self._forward_counts = _Forwards()
-
     def _choose_parameters(
         self, cap_mb: float | str | None, cap_mb_list: list[float] | None, delay_named: Any,
         delay_trigger: Any, mixed: Any,
@@ -276,13 +275,6 @@ class DistributedDataParallel(_Base):
         self._mixed = mixed_precision_params(self.module, mixed, self.gradient_as_bucket_view)
         self._buffers_to_sync = module_buffers(self.module)
 
-    def _sync_initial_state(self, include_buffers: bool) -> None:
-        check_same_parameters(self.process_group, self._named_params)
-        broadcast_state(self.module, self.process_group,
-                        self._buffers_to_sync if include_buffers else None)
-        if self._delayed is not None:
-            self._delayed.broadcast_from_rank0()
-
     def _connect(self) -> None:
         """Build what works on the parameters (again after unpickling): the Reducer, each
         parameter's link back to this wrapper, the guards on the module."""
@@ -298,14 +290,6 @@ class DistributedDataParallel(_Base):
                                 self._limits)
         reducer.take_micro_steps = weakref.WeakMethod(self._take_micro_steps)
         return reducer
-
-    def _log_wrapped(self) -> None:
-        log.info(
-            "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
-            self.process_group.rank(), self.process_group.size(), len(self._named_params),
-            len(self.reducer.buckets) if self.reducer else 0, self.find_unused_parameters,
-            self.static_graph,
-        )
 
     def shard_gradients(self, in_flight: int | None = None,
                         reduce_by: str | None = None) -> Reducer:
