@@ -27,7 +27,7 @@ back into the parameters bucket by bucket: all started at once at the end of `st
 waited for there, or with `overlap_param_gather=True` each just before the first module of the
 next forward that uses it (`zero_shards`; until then the other ranks' parts of the parameters
 hold their old values: call `wait_parameters()` before reading them any other way). On gloo the
-reduce-scatter is an all-to-all and a local sum (`engine.bucket.REDUCE_BY`).
+reduce-scatter is an all-to-all and a local sum (`engine.bucket_shard.ReduceBy`).
 Gradient clipping must then go through `clip_grad_norm_` of this class: torch's function would
 see no gradients.
 
