@@ -83,6 +83,7 @@ def _features(case: Case) -> list[str]:
     out += sorted({f"branch used {b.use}" for b in case.blocks if b.kind == "branch"})
     out += sorted({f"output in loss {b.aux}" for b in case.blocks if b.aux != "none"})
     out += [f"requires_grad changed: {case.refreeze}"] if case.refreeze != "none" else []
+    out += ["overlap_optimizer"] if case.overlap else []
     return out
 
 

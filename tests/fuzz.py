@@ -77,6 +77,7 @@ class Case:
     refreeze: str = "none"
     freeze: str = ""
     freeze_at: int = 0
+    overlap: bool = False  # gradsync's side steps each bucket as it lands (overlap_optimizer)
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -138,7 +139,10 @@ class Case:
         if rng.random() < 0.3:  # drawn after those, for the same reason
             blocks.insert(rng.randint(1, len(blocks)), Block("conv"))
             case = dataclasses.replace(case, blocks=tuple(blocks))
-        return _draw_refreeze(case, rng)  # last of all, for the same reason
+        case = _draw_refreeze(case, rng)  # after those, for the same reason
+        # Last of all, for the same reason: every backward that synchronises steps, so not with
+        # a sharded optimizer (which steps its shards itself).
+        return dataclasses.replace(case, overlap=not case.zero and rng.random() < 0.35)
 
     def torch_kwargs(self) -> dict[str, Any]:
         """torch's DDP for the same case. Its static_graph fails an internal assert on
@@ -327,6 +331,8 @@ def train(
         if sharded
         else cls(params, **defaults)
     )
+    if case.overlap and wrapper_cls is not TorchDDP:
+        opt = ddp.overlap_optimizer(opt)
     ws = group.size()
     grads = []
     for step, batch in enumerate(batches):

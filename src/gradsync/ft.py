@@ -292,6 +292,16 @@ class DistributedDataParallel(_GradsyncDDP):
             )
         return self.reducer
 
+    def overlap_optimizer(self, optimizer: Any) -> Any:
+        """Refused: torchft decides after backward whether the step commits
+        (`Manager.should_commit`), so no bucket may be stepped before that answer."""
+        raise RuntimeError(
+            "gradsync.ft.DistributedDataParallel.overlap_optimizer: torchft decides after "
+            "backward whether this step commits (manager.should_commit()), and a bucket stepped "
+            "during backward could not be taken back if it does not. Step the optimizer "
+            "torchft wraps (torchft.optim.OptimizerWrapper) after backward instead."
+        )
+
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """As gradsync's (torch's protocol); a `state` of None becomes `self.replica_group`, so
         `register_comm_hook(None, gradsync.comm_hooks.fp16_compress_hook)` averages over the

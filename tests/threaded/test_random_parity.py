@@ -57,3 +57,9 @@ def test_the_generator_covers_what_it_promises():
     assert any(c.refreeze == "off_first" and c.static_graph for c in cases)
     assert any(c.refreeze != "none" and c.zero for c in cases)
     assert any(c.refreeze != "none" and c.freeze.startswith("heads") for c in cases)
+    overlapped = [c for c in cases if c.overlap]
+    assert {c.optimizer for c in overlapped} == {"sgd", "adam"}
+    assert not any(c.zero for c in overlapped)
+    for flag in ("find_unused", "static_graph", "as_view"):
+        assert any(getattr(c, flag) for c in overlapped), flag
+    assert {c.micro_steps for c in overlapped} >= {1, 2} and {c.hook for c in overlapped} > {"none"}

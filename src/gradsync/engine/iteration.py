@@ -37,7 +37,7 @@ class Iteration:
     """The unused parameters are still to be marked (at the first hook, as torch does)."""
     search: Callable[[], object] | None = None
     """The unused-parameter search, waiting for backward: a weak reference to the node every
-    output comes from (`prepare.answer_in_backward`); None once answered for good, or walked."""
+    output comes from (`Reducer._answer_in_backward`); None once answered for good, or walked."""
     answered: bool = False
     """The search was answered by the backward now running (the outputs' node's prehook)."""
     reports_in_tail: bool = False

@@ -37,6 +37,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import layout as layouts
 from . import missing, shadow, static_graph
+from .bucket import Bucket
 from .bucket_set import BucketSet
 from .bucket_shard import ReduceBy
 from .bucketing import validate_bucket_indices
@@ -167,6 +168,10 @@ class Reducer:
         alike."""
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("shard_gradients: an iteration is still being reduced")
+        if self._reductions.after_write_back is not None:
+            raise RuntimeError("shard_gradients: an optimizer steps each bucket "
+                               "(overlap_optimizer), and sharded gradients never reach .grad; "
+                               "use one or the other")
         self._bucket_set.shard(self.process_group, in_flight, reduce_by, self._settings.comm_hook,
                                self._settings.casts_to_reduce_dtype,
                                self.config.gradient_as_bucket_view)
@@ -491,6 +496,23 @@ class Reducer:
             it.end_queued = True  # until the next iteration: nothing more to finish
         for hook in list(self._finish_hooks.values()):
             hook()
+
+    def step_each_bucket(self, step: Callable[[Bucket], None] | None) -> None:
+        """Call `step(bucket)` at the end of each synchronised backward as soon as `bucket`'s
+        averages are written back, while later buckets may still be reducing: an optimizer
+        stepped per bucket (`DistributedDataParallel.overlap_optimizer`). Buckets come in
+        order; the ranks' reports are checked before the last one, so an error there leaves
+        the earlier buckets stepped on every rank alike. None stops it. One at a time, and not
+        with sharded gradients, whose averages never reach `.grad`."""
+        if step is not None and self._reductions.after_write_back is not None:
+            raise RuntimeError("step_each_bucket: buckets are already stepped by another "
+                               "optimizer; stop it first (step_each_bucket(None))")
+        if step is not None and self.sharded:
+            raise RuntimeError("step_each_bucket: the gradients are sharded "
+                               "(ZeroRedundancyOptimizer), so no bucket's averages reach .grad "
+                               "to be stepped; ZeroRedundancyOptimizer(overlap_with_ddp=True) "
+                               "steps inside backward instead")
+        self._reductions.after_write_back = step
 
     def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call `hook()` each time a synchronised backward has been finished here: every

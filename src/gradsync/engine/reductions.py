@@ -7,7 +7,9 @@ all-reduce, or a reduce-scatter of sharded gradients) or hands the bucket to the
 hook (`_call_hook`; an unknown hook only once the previous bucket's Future has completed).
 At the end of backward `write_back` lands each bucket (`finish`: its work waited for, a sharded
 bucket's shard taken and its buffer given back, a hook's result checked and taken) and writes
-the averages into `.grad`, checking every rank's report before the last write-back.
+the averages into `.grad`, checking every rank's report before the last write-back; an
+optimizer stepped per bucket steps each as soon as it is written back (`after_write_back`),
+while the later buckets are still on the wire.
 
 Each bucket's progress in the iteration is one `Flight` (its work or its hook's Future, and
 its `Stage`), held here and nowhere else; the stages only move forward, and every step checks
@@ -94,6 +96,9 @@ class Reductions:
         self._hooked_count = 0  # with a hook: buckets handed to it
         self._lock = threading.RLock()  # the hook's launches: from gradient hooks of any thread
         self._launching = False
+        # Called with each bucket once written back, while later ones may still be reducing:
+        # an optimizer stepped per bucket (`Reducer.step_each_bucket`).
+        self.after_write_back: Callable[[Bucket], None] | None = None
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -446,6 +451,8 @@ class Reductions:
         assert flight.stage is Stage.LANDED, f"bucket {bucket.index} written back before it landed"
         bucket.write_back(used, as_view)
         flight.stage = Stage.WRITTEN
+        if self.after_write_back is not None:
+            self.after_write_back(bucket)
 
     # ----------------------------------------------------------------------- reports
 

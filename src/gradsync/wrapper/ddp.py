@@ -69,6 +69,7 @@ from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
 from .module_guards import UnsynchronisedGradients, check_outputs_hold_tensors
+from .overlap import OverlappedOptimizer
 from .torch_compat import (
     TorchDDP,
     TorchNamedReducer,
@@ -248,6 +249,18 @@ class DistributedDataParallel(_Base):
     def unused_parameters(self) -> dict[str, list[int]]:
         """{parameter name: ranks that did not use it} for the last synchronised iteration."""
         return dict(self.reducer.last_unused_report) if self.reducer is not None else {}
+
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> OverlappedOptimizer:
+        """Step `optimizer` per bucket, each as soon as its averages land at the end of
+        backward, while the later buckets are still reducing; use what this returns in its
+        place, in the same loop (`loss.backward(); opt.step(); opt.zero_grad()`).
+
+        `loss.backward()` then returns with the parameters stepped. Every synchronised backward
+        steps: accumulate under `no_sync()`. The gradients are used by the end of backward, so
+        clipping them after it or a `torch.amp.GradScaler` is refused (`OverlappedOptimizer`
+        says why). Parameters and optimizer state equal torch's DDP with `optimizer` stepped
+        after backward."""
+        return OverlappedOptimizer(self._reducer_for("overlap_optimizer"), optimizer)
 
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
         """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,

@@ -1,0 +1,223 @@
+"""`DistributedDataParallel.overlap_optimizer`: each bucket stepped as its averages land, against
+torch's DDP with the same optimizer stepped after backward, side by side on the same gloo
+groups: parameters and optimizer state equal bit for bit at 2 ranks; and what it refuses."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from models import MODELS, make_batches
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+import gradsync
+from gradsync import DistributedDataParallel as GradsyncDDP
+from gradsync.testing import RankError, run_threaded, seeded
+
+STEPS = 4
+
+OPTIMIZERS = {
+    "sgd": lambda ps, foreach: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
+                                               foreach=foreach),
+    "adam": lambda ps, foreach: torch.optim.Adam(ps, lr=0.01, foreach=foreach),
+    "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=foreach),
+    "rmsprop": lambda ps, foreach: torch.optim.RMSprop(ps, lr=0.01, foreach=foreach),
+    "adagrad": lambda ps, foreach: torch.optim.Adagrad(ps, lr=0.05, foreach=foreach),
+}
+
+
+def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, micro_steps=1,
+           schedule=False, checkpoint=None, **kwargs):
+    """Train; return the parameters and the optimizer's state dict."""
+    model = seeded(MODELS[model_name], 0)
+    ddp = wrapper(model, process_group=group, **kwargs)
+    opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
+    if wrapper is GradsyncDDP:
+        opt = ddp.overlap_optimizer(opt)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule else None
+    for i, batch in enumerate(batches):
+        if checkpoint is not None and i == checkpoint:  # a new optimizer, from the state dict
+            saved = io.BytesIO()
+            torch.save(opt.state_dict(), saved)
+            del opt  # the wrapper's buckets are stepped by one optimizer at a time
+            opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
+            if wrapper is GradsyncDDP:
+                opt = ddp.overlap_optimizer(opt)
+            saved.seek(0)
+            opt.load_state_dict(torch.load(saved))
+        shard = batch.chunk(group.size())[rank]
+        for m, x in enumerate(shard.chunk(micro_steps)):
+            last = m == micro_steps - 1
+            with contextlib.nullcontext() if last else ddp.no_sync():
+                ddp(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        if sched is not None:
+            sched.step()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return params, opt.state_dict()
+
+
+def _both(rank, group, *args, **kwargs):
+    return (_train(GradsyncDDP, rank, group, *args, **kwargs),
+            _train(TorchDDP, rank, group, *args, **kwargs))
+
+
+def _assert_same(ours, theirs, what):
+    (params, state), (want_params, want_state) = ours, theirs
+    for name, p in params.items():
+        assert torch.equal(p, want_params[name]), f"{what}: parameter {name} differs"
+    assert state["param_groups"] == want_state["param_groups"], f"{what}: param_groups differ"
+    assert state["state"].keys() == want_state["state"].keys(), f"{what}: stepped sets differ"
+    for index, entries in state["state"].items():
+        for key, value in entries.items():
+            other = want_state["state"][index][key]
+            same = torch.equal(value, other) if torch.is_tensor(value) else value == other
+            assert same, f"{what}: state[{index}][{key!r}] differs"
+
+
+def _check(model_name, optimizer, per_rank=4, **kwargs):
+    batches = make_batches(STEPS, 2, per_rank=per_rank)
+    results = run_threaded(_both, 2, model_name, batches, optimizer, timeout=120, **kwargs)
+    for rank, (ours, theirs) in enumerate(results):
+        _assert_same(ours, theirs, f"rank {rank}")
+    return results
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+@pytest.mark.parametrize("optimizer", sorted(OPTIMIZERS))
+def test_each_bucket_stepped_as_it_lands_equals_torch_ddp_and_the_same_optimizer(optimizer,
+                                                                               foreach):
+    _check("mlp", optimizer, foreach=foreach, bucket_cap_mb=0.0005)
+
+
+@pytest.mark.parametrize("config", [
+    {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.0005},
+    {"static_graph": True, "bucket_cap_mb": 0.0005},
+    {"micro_steps": 2},  # no_sync accumulation: stepped on synchronised iterations only
+    {"schedule": True},  # an LR scheduler on the overlapped optimizer
+    {"checkpoint": 2},  # state dict saved, loaded into a new optimizer
+])
+def test_configurations_equal_torch_ddp(config):
+    _check("many_small", "adamw", per_rank=4, foreach=True, **config)
+
+
+@pytest.mark.parametrize("as_view", [False, True])
+def test_a_parameter_unused_on_every_rank_is_skipped_as_the_plain_optimizer_skips_it(as_view):
+    results = _check("unused_branch", "adam", find_unused_parameters=True,
+                     gradient_as_bucket_view=as_view)
+    (params, state), _ = results[0]
+    assert len(state["state"]) < len(params)  # the unused branch was never stepped
+
+
+def test_a_checkpoint_of_the_overlapped_optimizer_loads_into_the_plain_one_and_back():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.0005)
+        opt = ddp.overlap_optimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        plain = torch.optim.Adam(model.parameters(), lr=0.01)
+        plain.load_state_dict(opt.state_dict())
+        return plain.state_dict(), opt.state_dict()
+
+    for plain, overlapped in run_threaded(body, 2, timeout=60):
+        assert plain["param_groups"] == overlapped["param_groups"]
+        for index, entries in overlapped["state"].items():
+            for key, value in entries.items():
+                assert torch.equal(plain["state"][index][key], value)
+
+
+def test_add_param_group_steps_the_new_group():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        extra = torch.nn.Parameter(torch.ones(3))
+        ddp = GradsyncDDP(model, process_group=group)
+        params = list(model.parameters())
+        opt = ddp.overlap_optimizer(torch.optim.SGD(params[:2], lr=0.1))
+        opt.add_param_group({"params": params[2:], "lr": 0.2})
+        opt.add_param_group({"params": [extra], "lr": 1.0})  # outside the wrapper
+        before = [p.detach().clone() for p in params]
+        ddp(torch.randn(4, 8)).sum().backward()
+        extra.grad = torch.ones(3)
+        opt.step()
+        return [not torch.equal(a, p) for a, p in zip(before, params)], extra.tolist()
+
+    for moved, extra in run_threaded(body, 2, timeout=60):
+        assert all(moved) and extra == [0.0, 0.0, 0.0]
+
+
+# ----------------------------------------------------------------------------- refusals
+
+
+def _refused(body, match):
+    with pytest.raises(RankError, match=match):
+        run_threaded(body, 2, timeout=60)
+
+
+def test_a_second_synchronised_backward_without_step_is_refused_naming_no_sync():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(2):
+            ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+
+    _refused(body, r"second synchronised backward came without step\(\).*no_sync\(\)")
+
+
+def test_clipping_after_backward_is_refused_at_step():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        ddp(torch.randn(4, 8)).sum().backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        opt.step()
+
+    _refused(body, r"gradients of .* were changed after their bucket was stepped")
+
+
+def test_a_grad_scaler_is_refused_at_its_step():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(ddp(torch.randn(4, 8)).sum()).backward()
+        scaler.step(opt)
+
+    _refused(body, "GradScaler needs every gradient unscaled")
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda ps: torch.optim.LBFGS(ps), "LBFGS"),
+    (lambda ps: [torch.optim.SGD(ps, lr=0.1)], "expected a torch.optim.Optimizer, got list"),
+])
+def test_optimizers_that_cannot_step_per_bucket_are_refused(make, match):
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        GradsyncDDP(model, process_group=group).overlap_optimizer(make(model.parameters()))
+
+    with pytest.raises(RankError, match=match):
+        run_threaded(body, 2, timeout=60)
+
+
+def test_sharded_gradients_and_a_closure_are_refused():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        with pytest.raises(ValueError, match="closure"):
+            opt.step(lambda: 0.0)
+        with pytest.raises(RuntimeError, match="overlap_optimizer"):
+            gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
+                                             process_group=group)
+        with pytest.raises(RuntimeError, match="already stepped by another"):
+            ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        return True
+
+    assert run_threaded(body, 2, timeout=60) == [True, True]
