@@ -348,8 +348,12 @@ def train(
                 ctx = contextlib.nullcontext()
             with ctx:
                 loss_of(case, ddp(x, rank, step), rank, step).div(len(micro)).backward()
+        if case.overlap and wrapper_cls is not TorchDDP:
+            opt.wait()  # read after backward: the buckets still landing first
         grads.append({n: _copy(p.grad) for n, p in model.named_parameters()})
         opt.step()
+    if case.overlap and wrapper_cls is not TorchDDP:
+        opt.wait()
     result = {
         "grads": grads,
         "params": {n: p.detach().clone() for n, p in model.named_parameters()},

@@ -56,6 +56,8 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
         opt.zero_grad()
         if sched is not None:
             sched.step()
+    if wrapper is GradsyncDDP:
+        opt.wait()  # the last buckets land in the next forward, or here
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return params, opt.state_dict()
 
@@ -143,6 +145,7 @@ def test_add_param_group_steps_the_new_group():
         ddp(torch.randn(4, 8)).sum().backward()
         extra.grad = torch.ones(3)
         opt.step()
+        opt.wait()
         return [not torch.equal(a, p) for a, p in zip(before, params)], extra.tolist()
 
     for moved, extra in run_threaded(body, 2, timeout=60):
@@ -165,6 +168,7 @@ def test_a_second_synchronised_backward_without_step_is_refused_naming_no_sync()
         for _ in range(2):
             ddp(torch.randn(4, 8)).sum().backward()
         opt.step()
+        opt.wait()  # the second backward's buckets, if still landing
 
     _refused(body, r"second synchronised backward came without step\(\).*no_sync\(\)")
 
@@ -178,7 +182,7 @@ def test_clipping_after_backward_is_refused_at_step():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         opt.step()
 
-    _refused(body, r"gradients of .* were changed after their bucket was stepped")
+    _refused(body, r"gradients of .* were changed after backward.*clip_grad_norm_")
 
 
 def test_a_grad_scaler_is_refused_at_its_step():
@@ -221,3 +225,114 @@ def test_sharded_gradients_and_a_closure_are_refused():
         return True
 
     assert run_threaded(body, 2, timeout=60) == [True, True]
+
+
+# ------------------------------------------------------------------ the next forward's waits
+
+
+class _Held:
+    """A group whose all-reduces complete only when waited for: a link slower than anything
+    else (deterministic), each wait logged with the size of what it waited for."""
+
+    def __init__(self, group):
+        self._group, self.waited = group, []
+
+    def __getattr__(self, name):
+        return getattr(self._group, name)
+
+    def allreduce(self, tensors, *args):
+        return _HeldWork(self._group.allreduce(tensors, *args), tensors[0].numel(), self.waited)
+
+
+class _HeldWork:
+    def __init__(self, work, numel, log):
+        self._work, self._numel, self._log, self._waited = work, numel, log, False
+
+    def is_completed(self):
+        return self._waited
+
+    def wait(self, *args):
+        self._log.append(self._numel)
+        self._waited = True
+        return self._work.wait(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+def _layers():
+    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+
+
+def test_the_next_forward_waits_only_for_the_buckets_of_each_module_in_turn():
+    def body(rank, group):
+        held = _Held(group)
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)  # a bucket a tensor
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(3):  # past the rebuild in ready order
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        waits_before = []
+        for layer in model:
+            layer.register_forward_pre_hook(lambda *_: waits_before.append(len(held.waited)))
+        ddp(torch.randn(4, 8)).sum()  # lands the last iteration's buckets
+        ddp.reducer.abandon_iteration()  # (its backward never comes)
+        held.waited.clear()
+        ddp(torch.randn(4, 8)).sum().backward()
+        after_backward = len(held.waited)
+        opt.step()
+        phase = ddp.reducer.phase.value
+        ddp(torch.randn(4, 8))  # the next forward (it lands the rest at its end)
+        return after_backward, phase, waits_before[-4:]
+
+    for after_backward, phase, waits in run_threaded(body, 2, timeout=60):
+        # Nothing had landed when backward ended, nor when step() returned; by the time each
+        # layer runs (counted after the landing hook, registered first) the first has waited
+        # for its own two buckets (weight and bias, the last sent), each next layer for two
+        # more: not for all eight before the first.
+        assert (after_backward, phase) == (0, "landing")
+        assert waits == [2, 4, 6, 8]
+
+
+@pytest.mark.parametrize("what", ["state_dict", "no_sync", "eval", "wait", "opt_state_dict"])
+def test_what_needs_every_parameter_lands_every_bucket_first(what):
+    def body(rank, group):
+        held = _Held(group)
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        assert ddp.reducer.phase.value == "landing"
+        if what == "state_dict":
+            ddp.state_dict()
+        elif what == "no_sync":
+            with ddp.no_sync():
+                pass
+        elif what == "eval":
+            with torch.no_grad():
+                ddp(torch.randn(4, 8))
+        elif what == "wait":
+            opt.wait()
+        else:
+            opt.state_dict()
+        return ddp.reducer.phase.value
+
+    assert "landing" not in run_threaded(body, 2, timeout=60)
+
+
+def test_gradients_cleared_after_step_stay_cleared_once_their_bucket_lands():
+    def body(rank, group):
+        held = _Held(group)
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        model.zero_grad()  # the module's, not the optimizer's: set to None behind its back
+        opt.wait()
+        return [p.grad is None for p in model.parameters()]
+
+    assert run_threaded(body, 2, timeout=60) == [[True] * 8] * 2

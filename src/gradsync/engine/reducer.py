@@ -37,7 +37,6 @@ from torch.utils.hooks import RemovableHandle
 
 from . import layout as layouts
 from . import missing, shadow, static_graph
-from .bucket import Bucket
 from .bucket_set import BucketSet
 from .bucket_shard import ReduceBy
 from .bucketing import validate_bucket_indices
@@ -48,7 +47,7 @@ from .errors import GradSyncError, format_names, marked_twice_message
 from .events import EventClock, final_reading, last_tokens, resolve_timeline
 from .iteration import Iteration
 from .pool import BufferPool
-from .reductions import Reductions, profiled
+from .reductions import BucketStepper, Reductions, profiled
 from .reports import ReportChecks
 from .settings import Settings, changed_config
 from .timeline import DiscardedEvents, EventKind, IterationTimeline, untimed
@@ -66,6 +65,9 @@ class Phase(enum.Enum):
     PREPARED = "prepared"  # forward said a backward will synchronise; no gradient yet
     BACKWARD = "backward"  # gradients arriving; buckets filling and launching in order
     LAUNCHED = "launched"  # every bucket on its way; finished at the end of backward
+    # backward ended, buckets still landing where their parameters are needed, stepped as
+    # they land (`Reducer.step_each_bucket(..., lazily=True)`)
+    LANDING = "landing"
     REDUCED = "reduced"  # written back; a gradient now is a late one (until the next forward)
 
 
@@ -153,6 +155,7 @@ class Reducer:
 
     def install_layout(self, layout: Sequence[Sequence[int]]) -> None:
         """Replace the bucket layout between iterations (every rank must install the same)."""
+        self.land()
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("install_layout: an iteration is still being reduced")
         self._bucket_set.check_relayout()
@@ -168,7 +171,7 @@ class Reducer:
         alike."""
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("shard_gradients: an iteration is still being reduced")
-        if self._reductions.after_write_back is not None:
+        if self._reductions.stepper is not None:
             raise RuntimeError("shard_gradients: an optimizer steps each bucket "
                                "(overlap_optimizer), and sharded gradients never reach .grad; "
                                "use one or the other")
@@ -235,6 +238,7 @@ class Reducer:
         given (a framework preparing the backward itself, as torch's reducer lets it), it is
         asked of `take_micro_steps`, which the wrapper sets, or taken as 1.
         """
+        self.land()  # what the forward did not need (parameters it did not use)
         self._check_prior_reduction_finished()
         self._checks.check_landed(self.iteration, self.config.check_accumulation)
         self._timelines.publish_landed()
@@ -477,42 +481,76 @@ class Reducer:
     # ------------------------------------------------------------------ end of backward
 
     def finish_backward(self) -> None:
-        """Wait for every bucket and write the averaged gradients into `.grad`."""
+        """Wait for every bucket and write the averaged gradients into `.grad`. With buckets
+        landing lazily (`step_each_bucket(..., lazily=True)`), only those landed already: the
+        others land where their parameters are needed (`land`), stepped as they do."""
         it = self._it
         it.timeline.backward_end_ns = self._settings.clock()
+        self._waits.begin(self.iteration, self.config.timeout, self.buckets,
+                          self._reductions.done_within)
+        if not self._reductions.lands_lazily():
+            self._land(it, None, landed_only=False)
+            return
+        self.phase = Phase.LANDING
+        self._reductions.start_reports(it)  # now, on every rank alike, after every bucket
+        if not self._land(it, None, landed_only=True):
+            self._reductions.stepper.backward_ended(self._reductions.pending())  # type: ignore[union-attr]
+
+    def land(self, buckets: Sequence[int] | None = None) -> None:
+        """Land the last backward's `buckets` still reducing (default: every one), each
+        written back and stepped: called where their parameters are needed (a module's
+        forward, the next backward, a checkpoint, `OverlappedOptimizer.wait`)."""
+        if self.phase is Phase.LANDING:
+            self._land(self._it, buckets, landed_only=False)
+
+    def land_parameters(self, indices: Sequence[int]) -> None:
+        """`land` the buckets that hold parameters `indices` (a module's, before its forward)."""
+        if self.phase is Phase.LANDING:
+            bucket_of = self._bucket_of
+            self._land(self._it, sorted({bucket_of[i].index for i in indices}), landed_only=False)
+
+    def _land(self, it: Iteration, buckets: Sequence[int] | None, landed_only: bool) -> bool:
+        """Write back what is wanted; once every bucket is, end the iteration (at once on an
+        error: the iteration is then dropped). True once ended."""
+        done = True  # an error ends the iteration too
         try:
             with torch.no_grad(), profiled("gradsync.finish_backward"):
-                self._waits.begin(self.iteration, self.config.timeout, self.buckets,
-                                  self._reductions.done_within)
-                self.last_used, self.reductions = (self._reductions.write_back(it),
-                                                   self.reductions + 1)
+                done = self._reductions.write_back(it, buckets, landed_only)
         finally:
-            self.phase = Phase.REDUCED  # the marks kept: a gradient still coming is reported
-            it.timeline.finish_ns = self._settings.clock()
-            self._timelines.add(it.timeline, self._settings.device_timed)
-            if self._settings.find_unused or self._settings.static is not None:
-                self._used.clear()
-            self._clear_reduction()
-            it.end_queued = True  # until the next iteration: nothing more to finish
-        for hook in list(self._finish_hooks.values()):
-            hook()
+            if done:
+                self.phase = Phase.REDUCED  # the marks kept: a gradient still coming is reported
+                it.timeline.finish_ns = self._settings.clock()
+                self._timelines.add(it.timeline, self._settings.device_timed)
+                if self._settings.find_unused or self._settings.static is not None:
+                    self._used.clear()
+                self._clear_reduction()
+                it.end_queued = True  # until the next iteration: nothing more to finish
+        if done:
+            self.last_used, self.reductions = self._reductions.written_with, self.reductions + 1
+            for hook in list(self._finish_hooks.values()):
+                hook()
+        return done
 
-    def step_each_bucket(self, step: Callable[[Bucket], None] | None) -> None:
-        """Call `step(bucket)` at the end of each synchronised backward as soon as `bucket`'s
-        averages are written back, while later buckets may still be reducing: an optimizer
-        stepped per bucket (`DistributedDataParallel.overlap_optimizer`). Buckets come in
-        order; the ranks' reports are checked before the last one, so an error there leaves
-        the earlier buckets stepped on every rank alike. None stops it. One at a time, and not
-        with sharded gradients, whose averages never reach `.grad`."""
-        if step is not None and self._reductions.after_write_back is not None:
+    def step_each_bucket(self, stepper: BucketStepper | None, lazily: bool = False) -> None:
+        """Tell `stepper` of each bucket as its averages are written back at the end of each
+        synchronised backward, while later buckets may still be reducing: an optimizer
+        stepped per bucket (`DistributedDataParallel.overlap_optimizer`). The ranks' reports
+        are checked before the last bucket is written back, so an error there leaves the
+        earlier buckets stepped on every rank alike. None stops it. One at a time, and not
+        with sharded gradients, whose averages never reach `.grad`.
+
+        `lazily`: backward ends without waiting, leaving the buckets still reducing to land
+        where their parameters are needed next (`land`, `land_parameters`), where the
+        configuration allows (`Reductions.lands_lazily`)."""
+        if stepper is not None and self._reductions.stepper is not None:
             raise RuntimeError("step_each_bucket: buckets are already stepped by another "
                                "optimizer; stop it first (step_each_bucket(None))")
-        if step is not None and self.sharded:
+        if stepper is not None and self.sharded:
             raise RuntimeError("step_each_bucket: the gradients are sharded "
                                "(ZeroRedundancyOptimizer), so no bucket's averages reach .grad "
                                "to be stepped; ZeroRedundancyOptimizer(overlap_with_ddp=True) "
                                "steps inside backward instead")
-        self._reductions.after_write_back = step
+        self._reductions.stepper, self._reductions.lazily = stepper, lazily
 
     def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call `hook()` each time a synchronised backward has been finished here: every
@@ -555,6 +593,7 @@ class Reducer:
         NaN, accumulation and unused-report checks, recording, the clock), validated as the
         frozen config validates itself; every rank must make the same change."""
         changed = changed_config(self.config, changes)
+        self.land()
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("Reducer.configure: an iteration is still being reduced")
         self.config = changed
@@ -588,6 +627,7 @@ class Reducer:
     def shadow_iteration(self) -> None:
         """On a rank that has run out of data, match the collectives of one synchronised
         iteration of the ranks still training (`shadow`), on its own buckets, zeroed."""
+        self.land()
         self.rebuild_if_due()
         # Averaged over the ranks its last iteration averaged over (the active ranks' divisor).
         it = Iteration.idle(self.iteration, len(self.params), self._it.divisor)

@@ -8,7 +8,7 @@ hook (`_call_hook`; an unknown hook only once the previous bucket's Future has c
 At the end of backward `write_back` lands each bucket (`finish`: its work waited for, a sharded
 bucket's shard taken and its buffer given back, a hook's result checked and taken) and writes
 the averages into `.grad`, checking every rank's report before the last write-back; an
-optimizer stepped per bucket steps each as soon as it is written back (`after_write_back`),
+optimizer stepped per bucket steps each as soon as it is written back (`BucketStepper`),
 while the later buckets are still on the wire.
 
 Each bucket's progress in the iteration is one `Flight` (its work or its hook's Future, and
@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ from .timeline import EventKind
 from .used_map import UsedMap
 from .waits import Waits
 
-__all__ = ["Flight", "Reductions", "Stage", "profiled"]
+__all__ = ["BucketStepper", "Flight", "Reductions", "Stage", "profiled"]
 
 
 class Stage(enum.IntEnum):
@@ -58,6 +58,19 @@ class Stage(enum.IntEnum):
     STARTED = 1  # its collective, or its hook's, is in flight
     LANDED = 2  # its reduced values are in the bucket (a sharded one's: in its shard)
     WRITTEN = 3  # written back into `.grad`
+
+
+class BucketStepper(Protocol):
+    """What steps each bucket as it lands (`Reducer.step_each_bucket`): an optimizer."""
+
+    def backward_ended(self, pending: Sequence[Bucket]) -> None:
+        """Backward has ended with `pending` still reducing, to land later (lazily)."""
+
+    def landing(self, bucket: Bucket) -> None:
+        """`bucket` has landed and is about to be written back into `.grad`."""
+
+    def written(self, bucket: Bucket) -> None:
+        """`bucket`'s averages are in `.grad`: step its parameters."""
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -96,9 +109,14 @@ class Reductions:
         self._hooked_count = 0  # with a hook: buckets handed to it
         self._lock = threading.RLock()  # the hook's launches: from gradient hooks of any thread
         self._launching = False
-        # Called with each bucket once written back, while later ones may still be reducing:
-        # an optimizer stepped per bucket (`Reducer.step_each_bucket`).
-        self.after_write_back: Callable[[Bucket], None] | None = None
+        # Told of each bucket as it is written back, while later ones may still be reducing:
+        # an optimizer stepped per bucket (`Reducer.step_each_bucket`); `lazily`: after
+        # backward, each where its parameters are needed (`lands_lazily`).
+        self.stepper: BucketStepper | None = None
+        self.lazily = False
+        self.written = 0  # buckets written back this iteration
+        self.written_with: list[int] | None = None  # the used map they were written with
+        self._reports_started = False
 
     @property
     def buckets(self) -> list[Bucket]:
@@ -110,7 +128,8 @@ class Reductions:
         """A new iteration: every bucket filling, nothing started."""
         s = self.settings
         self.flights = [Flight() for _ in self.buckets]
-        self.started = self.settled = self._released = self._hooked_count = 0
+        self.started = self.settled = self._released = self._hooked_count = self.written = 0
+        self._reports_started, self.written_with = False, None
         # Sharded buckets run a registered hook themselves, as a reduce-scatter (`BucketSet.shard`).
         self.hooked = s.comm_hook is not None and self.bucket_set.shards is None
         self.hook_waiting = False
@@ -398,8 +417,19 @@ class Reductions:
 
     # ----------------------------------------------------------------------- writing back
 
-    def write_back(self, it: Iteration) -> list[int] | None:
-        """Every bucket landed and written back; the used map it was written with (None: all).
+    def lands_lazily(self) -> bool:
+        """Whether this iteration's buckets may land after backward, each where its parameters
+        are needed: an optimizer steps them as they land (`after_write_back`, `lazily`), and
+        nothing waits for every bucket first (no used map, no hook chain, not sharded)."""
+        s = self.settings
+        return (self.lazily and self.stepper is not None and not self.hooked
+                and self.bucket_set.shards is None and not s.find_unused and s.static is None)
+
+    def write_back(self, it: Iteration, wanted: Sequence[int] | None = None,
+                   landed_only: bool = False) -> bool:
+        """Land and write back the buckets `wanted` (default: every one; `landed_only`: those
+        whose reduction has completed, asked, never waited for); True once every bucket is
+        (`written_with` then holds the used map they were written with; None: all).
 
         Without a used map to wait for (no unused-parameter search, no static graph) and
         unsharded, each bucket is written back as soon as it has landed, so the copy into
@@ -410,21 +440,30 @@ class Reductions:
         assert self.started == len(self.buckets), "write_back before every bucket was started"
         s = self.settings
         if self.bucket_set.shards is None and not s.find_unused and s.static is None:
-            self._write_back_as_landed(it)
-            return None
-        return self._write_back_with_used_map(it)
+            return self._write_back_as_landed(it, wanted, landed_only)
+        self.written_with = self._write_back_with_used_map(it)
+        return True
 
-    def _write_back_as_landed(self, it: Iteration) -> None:
-        """Land each bucket in order and write it back at once. The reports are checked once
-        the last bucket has landed, before its write-back: an error leaves the earlier
-        buckets' averages in `.grad`, on every rank alike."""
+    def _write_back_as_landed(self, it: Iteration, wanted: Sequence[int] | None,
+                              landed_only: bool) -> bool:
+        """Land each bucket wanted, in order, and write it back at once. The reports are
+        checked before the last write-back: an error leaves the earlier buckets' averages in
+        `.grad`, on every rank alike."""
         buckets, as_view = self.buckets, self.settings.config.gradient_as_bucket_view
-        for bucket in buckets:
+        for bucket in buckets if wanted is None else [buckets[i] for i in wanted]:
+            flight = self.flights[bucket.index]
+            if flight.stage is Stage.WRITTEN or (landed_only and not self.done_within(bucket, 0)):
+                continue
             self.finish(it, bucket)
-            if bucket is buckets[-1]:
+            if self.written == len(buckets) - 1:
                 self.start_reports(it)
                 self.check_reports(it)
             self._write_back(bucket, None, as_view)
+        return self.written == len(buckets)
+
+    def pending(self) -> list[Bucket]:
+        """The buckets not written back yet (landing lazily: still reducing after backward)."""
+        return [b for b, f in zip(self.buckets, self.flights) if f.stage is not Stage.WRITTEN]
 
     def _write_back_with_used_map(self, it: Iteration) -> list[int] | None:
         """Land every bucket and the used map, then write back what some rank used."""
@@ -449,18 +488,22 @@ class Reductions:
     def _write_back(self, bucket: Bucket, used: Sequence[int] | None, as_view: bool) -> None:
         flight = self.flights[bucket.index]
         assert flight.stage is Stage.LANDED, f"bucket {bucket.index} written back before it landed"
+        if self.stepper is not None:
+            self.stepper.landing(bucket)
         bucket.write_back(used, as_view)
         flight.stage = Stage.WRITTEN
-        if self.after_write_back is not None:
-            self.after_write_back(bucket)
+        self.written += 1
+        if self.stepper is not None:
+            self.stepper.written(bucket)
 
     # ----------------------------------------------------------------------- reports
 
     def start_reports(self, it: Iteration) -> None:
         """This rank's report in a small all-reduce of its own, after every bucket, on every
         rank, when it did not ride in the last bucket's tail."""
-        if not it.reports_in_tail:
+        if not it.reports_in_tail and not self._reports_started:
             self.checks.start(self.buckets[0].buffer.device, it.micro_steps, bool(it.missing))
+        self._reports_started = True
 
     def check_reports(self, it: Iteration) -> None:
         """Every rank's report: gradients missing somewhere, uneven micro-step counts."""

@@ -154,6 +154,7 @@ class DistributedDataParallel(_Base):
             if self._delayed is not None:
                 self._delayed.broadcast_from_rank0()
         self._connect()
+        self.register_state_dict_pre_hook(_land_before_saving)
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
             self.process_group.rank(), self.process_group.size(), len(self._named_params),
@@ -255,12 +256,14 @@ class DistributedDataParallel(_Base):
         backward, while the later buckets are still reducing; use what this returns in its
         place, in the same loop (`loss.backward(); opt.step(); opt.zero_grad()`).
 
-        `loss.backward()` then returns with the parameters stepped. Every synchronised backward
-        steps: accumulate under `no_sync()`. The gradients are used by the end of backward, so
-        clipping them after it or a `torch.amp.GradScaler` is refused (`OverlappedOptimizer`
-        says why). Parameters and optimizer state equal torch's DDP with `optimizer` stepped
-        after backward."""
-        return OverlappedOptimizer(self._reducer_for("overlap_optimizer"), optimizer)
+        Buckets landed by the end of backward are stepped there, the rest in the next forward,
+        each before the first module that uses its parameters, so that forward runs over the
+        communication still in flight; `step()` returns at once. Read parameters or gradients
+        between `step()` and the next forward after `opt.wait()`. Every synchronised backward
+        steps: accumulate under `no_sync()`. Clipping after backward and `torch.amp.GradScaler`
+        are refused (`OverlappedOptimizer` says why). Parameters and optimizer state equal
+        torch's DDP with `optimizer` stepped after backward."""
+        return OverlappedOptimizer(self._reducer_for("overlap_optimizer"), self.module, optimizer)
 
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
         """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,
@@ -357,6 +360,8 @@ class DistributedDataParallel(_Base):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._placement.check(sample=True)
         if self.reducer is not None:
+            if not sync:  # nothing may still be landing under a forward that will not reduce
+                self.reducer.land()
             self.reducer.prepare_for_forward()
         if self._delayed is not None:
             self._delayed.enabled = sync
@@ -436,6 +441,8 @@ class DistributedDataParallel(_Base):
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally; the first backward after the block synchronises them."""
+        if self.reducer is not None:  # the gradients accumulate onto the landed averages
+            self.reducer.land()
         previous = self.require_backward_grad_sync
         self.require_backward_grad_sync = False
         try:
@@ -550,6 +557,8 @@ class DistributedDataParallel(_Base):
         to `Join([model, optimizer])` yourself, as with torch's class. With
         `throw_on_early_termination`, every rank raises as soon as one runs out instead.
         """
+        if self.reducer is not None:
+            self.reducer.land()
         owner = self._shard_owner()
         joinables: list[Joinable] = [self]
         if isinstance(owner, Joinable):  # a joined rank steps its shard too
@@ -658,6 +667,12 @@ class Placement:
 
 def _where(t: torch.Tensor | None) -> str:
     return "None" if t is None else f"on {t.device} as {t.dtype}"
+
+
+def _land_before_saving(wrapper: DistributedDataParallel, _prefix: str, _keep: bool) -> None:
+    """A state-dict pre-hook: parameters still being stepped as their buckets land first."""
+    if wrapper.reducer is not None:
+        wrapper.reducer.land()
 
 
 # The forward pre-hook's old name: modules pickled with an earlier gradsync hold it.

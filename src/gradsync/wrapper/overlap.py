@@ -2,32 +2,39 @@
 (`DistributedDataParallel.overlap_optimizer`).
 
 torch's DDP overlaps communication with backward and nothing else: the optimizer step waits
-for the last bucket, the one nearest the input, ready last in backward. Here the wrapped
-optimizer's own code steps each bucket's parameters as soon as that bucket is written back at
-the end of backward (`Reducer.step_each_bucket`), while the later buckets are still on the
-wire. `loss.backward()` returns with the parameters stepped, and `step()` then steps only
-what no bucket holds. Any optimizer that steps each parameter from its own gradient and
-state gives the same parameters and state as stepping them all at once (SGD, Adam, AdamW,
-RMSprop, Adagrad...): its per-parameter arithmetic runs on a subset at a time.
+for the last bucket, the one nearest the input, ready last in backward, and the next forward
+waits for the step. Here the wrapped optimizer's own code steps each bucket's parameters as
+that bucket lands (`Reducer.step_each_bucket`): at the end of backward those landed already,
+the rest where their parameters are needed next, in the next forward (each module's forward
+pre-hook lands the buckets holding its own parameters, `Reducer.land_parameters`), so the next
+forward runs over the communication still in flight. Any optimizer that steps each parameter
+from its own gradient and state gives the same parameters and state as stepping them all at
+once (SGD, Adam, AdamW, RMSprop, Adagrad...): its per-parameter arithmetic runs on a subset at
+a time.
 
-The loop stays `loss.backward(); opt.step(); opt.zero_grad()`. What differs, and is refused
-rather than silently wrong:
+The loop stays `loss.backward(); opt.step(); opt.zero_grad()`; `step()` returns at once. What
+differs, and is refused rather than silently wrong:
 
 - Every synchronised backward steps. Accumulate under `no_sync()` (torch's way); a second
   synchronised backward with no `step()` since the last raises, naming the fix.
-- Gradients are used by the end of backward, so a change to them after it comes too late:
-  `step()` raises when a stepped gradient was modified in place since (torch's
-  `clip_grad_norm_`, `GradScaler.unscale_`), and `torch.amp.GradScaler` is refused at its
-  `step` (its unscale and inf check need every gradient before any parameter moves).
+- Between backward and the next forward the parameters and `.grad` may still be landing: read
+  them after `opt.wait()` (an EMA, a logged norm). A gradient changed before `step()` (torch's
+  `clip_grad_norm_`, `GradScaler.unscale_`) comes too late for a step decided by the reduced
+  values: `step()` or the landing raises. `torch.amp.GradScaler` is refused at its `step`.
+  Gradients cleared or zeroed after `step()` (`zero_grad`, the module's too) are cleared or
+  zeroed again once the bucket still landing has been stepped.
+- The wrapper's `state_dict()`, `no_sync()`, `join()`, a forward that will not synchronise
+  (eval, no grad) and the next backward land everything first.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.bucket import Bucket
@@ -35,32 +42,43 @@ from ..engine.reducer import Reducer
 
 __all__ = ["OverlappedOptimizer"]
 
+_Held = tuple[torch.Tensor, "torch.Tensor | None", int]  # a parameter, its gradient, its version
+
 
 class OverlappedOptimizer(Optimizer):
-    """`optimizer`, stepped per bucket inside the synchronised backward of `reducer`'s wrapper.
+    """`optimizer`, stepped per bucket as `reducer`'s buckets land.
 
     Has the optimizer's interface: `param_groups`, `state` and `defaults` are the wrapped
     optimizer's own (LR schedulers change its learning rates), `state_dict()` is the plain
     optimizer's format (a checkpoint loads into either), `zero_grad`, `add_param_group`.
-    Reading the parameters after backward needs nothing more: they are stepped when
-    `loss.backward()` returns (`wait()` is there for loops written for a lazier step).
+    Reading parameters or gradients between `step()` and the next forward needs `wait()`.
     """
 
     # GradScaler then calls `step` itself instead of unscaling first: refused there, by name.
     _step_supports_amp_scaling = True
 
-    def __init__(self, reducer: Reducer, optimizer: Optimizer) -> None:  # noqa: D107
+    def __init__(self, reducer: Reducer, module: nn.Module, optimizer: Optimizer) -> None:
         _check_steps_per_parameter(optimizer)
         self.optimizer = optimizer
-        self._in_buckets = {id(p) for p in reducer.params}
+        self._reducer = weakref.ref(reducer)
+        self._as_view = reducer.config.gradient_as_bucket_view
+        self._in_buckets = {id(p): n for p, n in zip(reducer.params, reducer.names)}
         self._rest = self._outside_buckets()
         self._subsets: weakref.WeakKeyDictionary[Bucket, list[list[torch.Tensor]]] = (
             weakref.WeakKeyDictionary())
-        self._stepped: list[tuple[str, torch.Tensor, int]] = []  # (name, grad, its version)
-        self._names = {id(p): n for p, n in zip(reducer.params, reducer.names)}
-        self._due = False  # stepped in a backward, `step()` not called since
-        reducer.step_each_bucket(_StepBucket(self))
-        weakref.finalize(self, reducer.step_each_bucket, None)
+        self._iteration: int | None = None  # the reducer's iteration stepped last
+        self._acknowledged: int | None = None  # the iteration `step()` was last called after
+        self._steps: set[int] = set()  # every iteration `step()` was called after (recent ones)
+        self._stepped: list[_Held] = []  # stepped before `step()`: unchanged until it?
+        self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
+        self._resets: dict[int, list[tuple[torch.Tensor, bool]]] = {}  # cleared since step()
+        self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
+        # The groups' settings (lr...) when `step()` was called: the buckets landing after it
+        # are stepped with them, not with what an LR scheduler has set since.
+        self._settings: list[dict[str, Any]] = []
+        hooks = _land_before_forward(reducer, module)
+        reducer.step_each_bucket(_Stepper(self), lazily=True)
+        weakref.finalize(self, _detach, reducer, hooks)
 
     # ------------------------------------------------------------------ the optimizer's face
 
@@ -77,15 +95,24 @@ class OverlappedOptimizer(Optimizer):
         return self.optimizer.defaults
 
     def state_dict(self) -> dict[str, Any]:
+        self.wait()
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.wait()
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.optimizer.zero_grad(set_to_none)
+        """As the optimizer's; the gradients of buckets still landing once they are stepped."""
+        landing = {id(p) for index in self._pending for p, _, _ in self._pending[index]}
+        for index in self._pending:
+            self._zero_after[index] = set_to_none
+        self._with_groups([[p for p in g["params"] if id(p) not in landing]
+                           for g in self.optimizer.param_groups],
+                          lambda: self.optimizer.zero_grad(set_to_none))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.wait()
         self.optimizer.add_param_group(param_group)
         self._rest = self._outside_buckets()
         self._subsets.clear()
@@ -96,81 +123,183 @@ class OverlappedOptimizer(Optimizer):
     # ------------------------------------------------------------------ stepping
 
     def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
-        """The buckets were stepped at the end of backward: step what no bucket holds (the
-        wrapper's delayed or excluded parameters, others the optimizer holds), after
-        checking that no stepped gradient was changed since."""
+        """Returns at once: the buckets are stepped as they land. Checks that no gradient
+        was changed since backward, and steps what no bucket holds (the wrapper's delayed or
+        excluded parameters, others the optimizer holds)."""
         if closure is not None:
             raise ValueError("OverlappedOptimizer.step: a closure re-evaluates the loss, but each "
-                             "bucket was stepped when its gradients landed; use the plain "
+                             "bucket is stepped when its gradients land; use the plain "
                              "optimizer for closure-based optimizers")
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) \
                 is not None:
             raise RuntimeError(_GRAD_SCALER)
-        self._check_unchanged()
+        self._check_unchanged(self._stepped + [h for held in self._pending.values() for h in held])
         if any(self._rest):
-            self._step_subset(self._rest)
-        self._due = False
+            self._with_groups(self._rest, self.optimizer.step)
+        self._settings = [{k: v for k, v in g.items() if k != "params"}
+                          for g in self.optimizer.param_groups]
+        reducer = self._reducer()
+        self._acknowledged, self._stepped = (reducer.iteration if reducer else None), []
+        self._steps.add(self._acknowledged)  # type: ignore[arg-type]
 
     def wait(self) -> None:
-        """Every bucket's step is done by the end of backward: nothing to wait for."""
+        """Land and step every bucket still landing: call before reading parameters or
+        gradients between `step()` and the next forward (the next forward does it itself)."""
+        reducer = self._reducer()
+        if reducer is not None:
+            reducer.land()
 
-    def step_bucket(self, bucket: Bucket) -> None:
+    def _backward_ended(self, pending: Sequence[Bucket]) -> None:
+        reducer = self._reducer()
+        self._begin(reducer.iteration if reducer is not None else None)
+        self._pending = {b.index: [(p, p.grad, _version(p.grad)) for p in self._held(b)]
+                         for b in pending}
+        self._resets, self._zero_after = {}, {}
+
+    def _landing(self, bucket: Bucket) -> None:
+        """Before the bucket's write-back: a gradient changed since backward is an error
+        before `step()` (too late for this step), a reset after it (for the next backward)."""
+        held = self._pending.pop(bucket.index, None)
+        if not held:
+            return
+        reducer = self._reducer()
+        if reducer is None or self._acknowledged != reducer.iteration:
+            self._check_unchanged(held)
+            return
+        changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
+        if self._as_view and any(p.grad is g for p, g in changed):
+            raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(changed)))
+        self._resets[bucket.index] = [(p, p.grad is None) for p, _ in changed]
+
+    def _written(self, bucket: Bucket) -> None:
         """Step the parameters of `bucket` this optimizer holds (its averages just written
-        back); the first bucket of a backward checks that the last one's step was taken."""
-        if bucket.index == 0:
-            if self._due:
-                raise RuntimeError(_ACCUMULATED)
-            self._due, self._stepped = True, []
+        back); the first bucket of an iteration checks that the last one's step was taken."""
+        reducer = self._reducer()
+        number = reducer.iteration if reducer is not None else None
+        self._begin(number)
+        subsets = self._subsets_of(bucket)
+        after_step = self._acknowledged == number
+        self._with_groups(subsets, self.optimizer.step, self._settings if after_step else None)
+        zero = self._zero_after.pop(bucket.index, None)
+        clear = [] if zero is None else [(p, zero) for group in subsets for p in group]
+        for param, to_none in self._resets.pop(bucket.index, []) + clear:
+            if to_none:
+                param.grad = None
+            elif param.grad is not None:
+                param.grad.zero_()
+        if not after_step:  # before `step()`: it checks that none changed since
+            self._stepped += [(p, p.grad, _version(p.grad))
+                              for group in subsets for p in group if p.grad is not None]
+
+    # ------------------------------------------------------------------ helpers
+
+    def _begin(self, number: int | None) -> None:
+        """Iteration `number` steps from now on: the last one stepped must have been followed
+        by `step()` (else gradients were accumulated across synchronised backwards)."""
+        if number == self._iteration:
+            return
+        if self._iteration is not None and self._iteration not in self._steps:
+            raise RuntimeError(_ACCUMULATED)
+        self._steps = {n for n in self._steps if n >= (number or 0)}
+        self._iteration, self._stepped = number, []
+
+    def _subsets_of(self, bucket: Bucket) -> list[list[torch.Tensor]]:
+        """Per group of the optimizer, its parameters in `bucket`."""
         subsets = self._subsets.get(bucket)
         if subsets is None or len(subsets) != len(self.optimizer.param_groups):
             inside = {id(p) for p in bucket.params}
             subsets = [[p for p in g["params"] if id(p) in inside]
                        for g in self.optimizer.param_groups]
             self._subsets[bucket] = subsets
-        self._step_subset(subsets)
-        self._stepped += [(self._names[id(p)], p.grad, p.grad._version)
-                          for group in subsets for p in group if p.grad is not None]
+        return subsets
 
-    def _step_subset(self, subsets: list[list[torch.Tensor]]) -> None:
-        """The wrapped optimizer's own step, over `subsets[i]` of each group i."""
+    def _held(self, bucket: Bucket) -> list[torch.Tensor]:
+        return [p for group in self._subsets_of(bucket) for p in group]
+
+    def _with_groups(self, subsets: list[list[torch.Tensor]], run: Callable[[], Any],
+                     settings: list[dict[str, Any]] | None = None) -> None:
+        """`run()` (the wrapped optimizer's step or zero_grad) over `subsets[i]` of each group
+        i, with `settings[i]` in force if given: its own code, on those parameters only."""
         groups = self.optimizer.param_groups
-        held = [g["params"] for g in groups]
+        held = [dict(g) for g in groups]
         try:
-            for group, subset in zip(groups, subsets):
+            for i, (group, subset) in enumerate(zip(groups, subsets)):
                 group["params"] = subset
-            self.optimizer.step()
+                if settings is not None and i < len(settings):
+                    group.update(settings[i])
+            run()
         finally:
-            for group, params in zip(groups, held):
-                group["params"] = params
+            for group, kept in zip(groups, held):
+                group.update(kept)
 
-    def _check_unchanged(self) -> None:
-        changed = [name for name, grad, version in self._stepped if grad._version != version]
+    def _check_unchanged(self, held: list[_Held]) -> None:
+        changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
         if changed:
-            shown = ", ".join(changed[:5]) + (f" and {len(changed) - 5} more" if len(changed) > 5
-                                              else "")
-            raise RuntimeError(
-                f"OverlappedOptimizer.step: the gradients of {shown} were changed after their "
-                "bucket was stepped, at the end of backward (torch.nn.utils.clip_grad_norm_ or "
-                "GradScaler.unscale_ between backward and step?). The change came too late to "
-                "reach the parameters. Step with the plain optimizer to clip by the global norm "
-                "or to scale the loss."
-            )
+            raise RuntimeError(_CHANGED.format(names=self._named(changed)))
+
+    def _named(self, changed: list[tuple[torch.Tensor, Any]]) -> str:
+        names = [self._in_buckets[id(p)] for p, _ in changed]
+        return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
     def _outside_buckets(self) -> list[list[torch.Tensor]]:
         return [[p for p in g["params"] if id(p) not in self._in_buckets]
                 for g in self.optimizer.param_groups]
 
 
-class _StepBucket:
-    """What the Reducer holds: the optimizer weakly (the wrapper outliving it steps nothing)."""
+def _version(grad: torch.Tensor | None) -> int:
+    return -1 if grad is None else grad._version
+
+
+class _Stepper:
+    """What the Reducer holds (`engine.reductions.BucketStepper`): the optimizer, weakly."""
 
     def __init__(self, optimizer: OverlappedOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
 
-    def __call__(self, bucket: Bucket) -> None:
-        optimizer = self._optimizer()
-        if optimizer is not None:
-            optimizer.step_bucket(bucket)
+    def backward_ended(self, pending: Sequence[Bucket]) -> None:
+        if (optimizer := self._optimizer()) is not None:
+            optimizer._backward_ended(pending)
+
+    def landing(self, bucket: Bucket) -> None:
+        if (optimizer := self._optimizer()) is not None:
+            optimizer._landing(bucket)
+
+    def written(self, bucket: Bucket) -> None:
+        if (optimizer := self._optimizer()) is not None:
+            optimizer._written(bucket)
+
+
+class _LandFor:
+    """A module's forward pre-hook: land the buckets holding its own parameters first.
+    Pickles (with the module) to a no-op."""
+
+    def __init__(self, reducer: weakref.ref[Reducer] | None, indices: list[int]) -> None:
+        self.reducer, self.indices = reducer, indices
+
+    @torch.compiler.disable
+    def __call__(self, _module: nn.Module, _inputs: Any) -> None:
+        reducer = self.reducer() if self.reducer is not None else None
+        if reducer is not None:
+            reducer.land_parameters(self.indices)
+
+    def __reduce__(self) -> tuple[type, tuple[None, list[int]]]:
+        return (_LandFor, (None, []))
+
+
+def _land_before_forward(reducer: Reducer, module: nn.Module) -> list[Any]:
+    index_of = {id(p): i for i, p in enumerate(reducer.params)}
+    hooks = []
+    for sub in module.modules():
+        indices = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
+        if indices:
+            hooks.append(sub.register_forward_pre_hook(_LandFor(weakref.ref(reducer), indices)))
+    return hooks
+
+
+def _detach(reducer: Reducer, hooks: list[Any]) -> None:
+    reducer.step_each_bucket(None)
+    for hook in hooks:
+        hook.remove()
 
 
 def _check_steps_per_parameter(optimizer: object) -> None:
@@ -188,6 +317,19 @@ def _check_steps_per_parameter(optimizer: object) -> None:
                          "overlap_with_ddp=True to step inside backward instead")
 
 
+_CHANGED = (
+    "OverlappedOptimizer: the gradients of {names} were changed after backward, but each "
+    "bucket is stepped with the reduced values as it lands, so the change would be lost "
+    "(torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ between backward and step?). Step "
+    "with the plain optimizer to clip by the global norm or to scale the loss; read gradients "
+    "after opt.wait()."
+)
+_CHANGED_IN_FLIGHT = (
+    "OverlappedOptimizer: the gradients of {names} were changed in place after step() while "
+    "their bucket was still reducing into them (gradient_as_bucket_view: .grad is the bucket): "
+    "the reduction would be corrupted. Clear them with opt.zero_grad() (which waits for the "
+    "bucket), or model.zero_grad(set_to_none=True)."
+)
 _ACCUMULATED = (
     "OverlappedOptimizer: a second synchronised backward came without step() since the last: "
     "with overlap_optimizer every synchronised backward steps the parameters, at its end. "
