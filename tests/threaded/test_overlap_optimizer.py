@@ -29,13 +29,13 @@ OPTIMIZERS = {
 
 
 def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, micro_steps=1,
-           schedule=False, checkpoint=None, **kwargs):
+           schedule=False, checkpoint=None, tail_mb=None, chunk_mb=None, **kwargs):
     """Train; return the parameters and the optimizer's state dict."""
     model = seeded(MODELS[model_name], 0)
     ddp = wrapper(model, process_group=group, **kwargs)
     opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
     if wrapper is GradsyncDDP:
-        opt = ddp.overlap_optimizer(opt)
+        opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule else None
     for i, batch in enumerate(batches):
         if checkpoint is not None and i == checkpoint:  # a new optimizer, from the state dict
@@ -44,7 +44,7 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
             del opt  # the wrapper's buckets are stepped by one optimizer at a time
             opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
             if wrapper is GradsyncDDP:
-                opt = ddp.overlap_optimizer(opt)
+                opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb)
             saved.seek(0)
             opt.load_state_dict(torch.load(saved))
         shard = batch.chunk(group.size())[rank]
@@ -269,7 +269,8 @@ def test_the_next_forward_waits_only_for_the_buckets_of_each_module_in_turn():
         held = _Held(group)
         model = seeded(_layers, 0)
         ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)  # a bucket a tensor
-        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        # sent in ready order: the first layer's buckets last
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), tail_mb=0)
         for _ in range(3):  # past the rebuild in ready order
             ddp(torch.randn(4, 8)).sum().backward()
             opt.step()
@@ -336,3 +337,41 @@ def test_gradients_cleared_after_step_stay_cleared_once_their_bucket_lands():
         return [p.grad is None for p in model.parameters()]
 
     assert run_threaded(body, 2, timeout=60) == [[True] * 8] * 2
+
+
+def test_the_tail_is_sent_nearest_the_input_first_in_chunks():
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=group)  # torch's buckets: one, after the rebuild
+        size = 8 * 8 * 4 + 8 * 4  # one layer's bytes: the chunks hold a layer each
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    tail_mb=3 * size / 2**20, chunk_mb=size / 2**20)
+        for _ in range(3):
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        reducer, names = ddp.reducer, dict(enumerate(ddp.reducer.names))
+        launched = [i for _, kind, i in reducer.history[-1].events
+                    if kind == gradsync.EventKind.LAUNCH]
+        return [sorted(names[p] for p in reducer.bucket_indices[b]) for b in launched]
+
+    for launched in run_threaded(body, 2, timeout=60):
+        # The head (the last layer, ready first) as it fills; then the tail, once all of it is
+        # ready, nearest the input first, a chunk (a layer) at a time.
+        assert launched == [["3.bias", "3.weight"], ["0.bias", "0.weight"],
+                            ["1.bias", "1.weight"], ["2.bias", "2.weight"]]
+
+
+def test_ranks_asking_for_different_tails_are_refused_naming_them():
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), tail_mb=rank)
+
+    with pytest.raises(RankError, match=r"different tails \(rank 0: tail 0 B.*rank 1: tail 1048"):
+        run_threaded(body, 2, timeout=60)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_a_tail_sent_first_in_chunks_equals_torch_ddp(optimizer):
+    _check("many_small", optimizer, foreach=True, tail_mb=0.0004, chunk_mb=0.00005)

@@ -98,6 +98,16 @@ class ReducerConfig:
     microseconds of host time per gradient; the other iterations time buckets and iterations
     only, as torch's C++ reducer does. Host clocks time every gradient."""
 
+    priority_tail_bytes: int = 0
+    """The last this many bytes of gradients in ready order (the parameters nearest the
+    input: ready last in backward, needed first by the next forward) are sent once all of them
+    are ready, nearest the input first, in buckets of at most `chunk_bytes`
+    (`layout.priority_tail`). 0: every bucket in ready order, as torch. Worth it where the
+    next forward can start on what has landed (`DistributedDataParallel.overlap_optimizer`)."""
+
+    chunk_bytes: int = 4 * 2**20
+    """The size of the tail's buckets (`priority_tail_bytes`)."""
+
     def casts_to_reduce(self, param_dtype: torch.dtype) -> bool:
         """Whether buckets are cast to another dtype to be reduced (mixed precision)."""
         return (self.reduce_dtype is not None
@@ -117,6 +127,10 @@ class ReducerConfig:
                 or self.time_gradients_every < 1):
             raise ValueError(f"time_gradients_every={self.time_gradients_every!r} must be an "
                              "int >= 1")
+        for name in ("priority_tail_bytes", "chunk_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}={value!r} must be an int >= 0")
         if self.history < 1:
             raise ValueError(f"history={self.history} must be at least 1")
         for name in ("find_unused_parameters", "gradient_as_bucket_view", "static_graph",

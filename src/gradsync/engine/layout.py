@@ -19,7 +19,7 @@ from .collectives import broadcast_tensors
 from .errors import format_names
 from .timeline import EventKind, IterationTimeline
 
-__all__ = ["check_sparse_layout", "make_buckets", "rebuilt_layout"]
+__all__ = ["check_sparse_layout", "make_buckets", "priority_tail", "rebuilt_layout"]
 
 
 def make_buckets(
@@ -42,6 +42,45 @@ def make_buckets(
     return [Bucket(b, indices, params, sparse=sparse[indices[0]], dtype=dtype,
                    tail=tail(b, indices), world_size=world_size, sharding=shards)
             for b, indices in enumerate(layout)]
+
+
+def priority_tail(
+    layout: list[list[int]], params: Sequence[torch.Tensor], sparse: Sequence[bool],
+    tail_bytes: int, chunk_bytes: int,
+) -> tuple[list[list[int]], list[int]]:
+    """`layout` with its last `tail_bytes` of gradients cut into buckets (chunks) of at most
+    `chunk_bytes` each (at parameter boundaries; a larger parameter is a chunk of its own), and
+    the order to start the buckets in: those before the tail as they fill, then the tail's,
+    once all are full, nearest the input first.
+
+    In ready order the last buckets hold the parameters nearest the input: ready last in
+    backward, needed first by the next forward. Sent last in ready order they are the
+    communication tail; sent nearest-first, the next forward's first modules wait only for
+    their own chunks. A pure function of the layout: the same on every rank."""
+    nbytes = [p.numel() * p.element_size() for p in params]
+    head: list[list[int]] = []
+    tail: list[int] = []  # the tail's parameters, in ready order
+    budget = tail_bytes
+    for bucket in reversed(layout):
+        if budget <= 0 or any(sparse[i] for i in bucket):
+            head.insert(0, bucket)
+            budget = 0
+            continue
+        cut = len(bucket)
+        while cut > 0 and budget > 0:
+            cut -= 1
+            budget -= nbytes[bucket[cut]]
+        tail[:0] = bucket[cut:]
+        if cut:
+            head.insert(0, bucket[:cut])
+    chunks: list[list[int]] = []
+    for i in tail:
+        if chunks and sum(nbytes[j] for j in chunks[-1]) + nbytes[i] <= chunk_bytes:
+            chunks[-1].append(i)
+        else:
+            chunks.append([i])
+    order = list(range(len(head))) + list(range(len(head) + len(chunks) - 1, len(head) - 1, -1))
+    return head + chunks, order
 
 
 def check_sparse_layout(layout: Sequence[Sequence[int]], sparse: Sequence[bool],

@@ -23,6 +23,7 @@ and `Timelines` below (the finished iterations' timelines).
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import weakref
@@ -149,7 +150,12 @@ class Reducer:
         return [list(b.param_indices) for b in self.buckets]
 
     def _install(self, layout: list[list[int]]) -> None:
+        order, tail = None, self.config.priority_tail_bytes
+        if tail and self._bucket_set.shards is None:
+            layout, order = layouts.priority_tail(layout, self.params, self.expect_sparse_gradient,
+                                                  tail, self.config.chunk_bytes)
         self._bucket_set.install(layout, self.config.gradient_as_bucket_view)
+        self._reductions.set_order(order)
         self.buckets = self._bucket_set.buckets
         self._bucket_of, self._position = self._bucket_set.bucket_of, self._bucket_set.position
 
@@ -416,7 +422,7 @@ class Reducer:
                                        bucket.index))
             reductions = self._reductions
             reductions.fill(it, bucket)
-            if (bucket.index == reductions.started and reductions.start_ready(it)
+            if (bucket.index == reductions.next_index and reductions.start_ready(it)
                     and self.phase is _BACKWARD):
                 self._all_launched(it)  # strictly in order: this one and every full one after it
         elif kind == EventKind.READY and bucket.copies_early:
@@ -551,6 +557,18 @@ class Reducer:
                                "to be stepped; ZeroRedundancyOptimizer(overlap_with_ddp=True) "
                                "steps inside backward instead")
         self._reductions.stepper, self._reductions.lazily = stepper, lazily
+
+    def send_tail_first(self, tail_bytes: int, chunk_bytes: int) -> None:
+        """From now on send the last `tail_bytes` of gradients in ready order nearest the input
+        first, in buckets of at most `chunk_bytes` (`ReducerConfig.priority_tail_bytes`); the
+        layout in place is cut so at once. Between iterations; every rank alike."""
+        self.land()
+        if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            raise RuntimeError("send_tail_first: an iteration is still being reduced")
+        self.config = dataclasses.replace(self.config, priority_tail_bytes=tail_bytes,
+                                          chunk_bytes=chunk_bytes)
+        if not self.sharded:
+            self._install(self.bucket_indices)
 
     def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call `hook()` each time a synchronised backward has been finished here: every

@@ -100,7 +100,11 @@ class Reductions:
         self.checks, self.waits, self.used, self.calls = checks, waits, used, calls
         self.names, self.rank = bucket_set.names, group.rank()
         self.flights: list[Flight] = []
+        self.order: list[int] = []  # the order to start the buckets in (`set_order`)
+        self._by_index: list[int] = []
+        self._starts: list[int] = []  # this iteration's (by index with a hook)
         self.started = 0  # buckets before it have been started (handed to the hook), in order
+        self.next_index = 0  # the bucket to start next (-1: all started)
         self.settled = 0  # transient buckets before it have landed and given their buffers back
         self.hooked = False  # this iteration's buckets go through the communication hook
         self.hook_waiting = False  # buckets full and in order wait for their predecessor's Future
@@ -122,6 +126,12 @@ class Reductions:
     def buckets(self) -> list[Bucket]:
         return self.bucket_set.buckets
 
+    def set_order(self, order: list[int] | None) -> None:
+        """A new layout's order to start its buckets in (`layout.priority_tail`); None: by
+        index, as they fill in ready order."""
+        self._by_index = list(range(len(self.buckets)))
+        self.order = order if order is not None else self._by_index
+
     # ----------------------------------------------------------------------- iteration
 
     def begin(self, it: Iteration) -> None:
@@ -133,6 +143,9 @@ class Reductions:
         # Sharded buckets run a registered hook themselves, as a reduce-scatter (`BucketSet.shard`).
         self.hooked = s.comm_hook is not None and self.bucket_set.shards is None
         self.hook_waiting = False
+        # the hook's chain runs by index, as torch hands it buckets
+        self._starts = self._by_index if self.hooked else self.order
+        self.next_index = self._starts[0]
         # Known hooks that issue their one all-reduce inside the call go as their buckets fill.
         self._hooks_in_order = self.hooked and averages_by_one_allreduce(s.comm_hook[1])  # type: ignore[index]
         it.reports_in_tail = self.reports_in_tail()
@@ -148,13 +161,14 @@ class Reductions:
 
     def reports_in_tail(self) -> bool:
         """Whether this rank's report rides after the last bucket's gradients in its
-        all-reduce (free). Not with a hook (a tiny all-reduce of its own, after every bucket),
+        all-reduce (free), the last started. Not with a hook (a tiny all-reduce of its own,
+        after every bucket),
         nor read back deferred (in int64, never saturated, no follow-up collective), nor under
         mixed precision (more elements would change how gloo sums a bucket in its own dtype,
         and torch's hook sends the gradients alone)."""
         s = self.settings
         return (s.comm_hook is None and not s.divides_after_sum and not s.defer
-                and self.buckets[-1].has_tail)
+                and self.buckets[-1].has_tail and self._starts[-1] == len(self.buckets) - 1)
 
     # ----------------------------------------------------------------------- filling
 
@@ -208,16 +222,17 @@ class Reductions:
     # ----------------------------------------------------------------------- launching
 
     def start_ready(self, it: Iteration) -> bool:
-        """Start, strictly in order, every bucket that is full and not yet started; True once
-        every bucket is on its way."""
-        buckets, s = self.buckets, self.settings
-        while self.started < len(buckets) and buckets[self.started].pending == 0:
-            bucket = buckets[self.started]
+        """Start, strictly in order (by index, or the layout's `order`), every bucket that is
+        full and not yet started; True once every bucket is on its way."""
+        buckets, s, starts = self.buckets, self.settings, self._starts
+        while self.started < len(buckets) and buckets[starts[self.started]].pending == 0:
+            bucket = buckets[starts[self.started]]
             bucket.launch_payload(s.config.reduce_dtype if s.casts_to_reduce_dtype else None,
                                   it.divisor)
             self.started += 1
             if not self.hooked:
                 self._start(it, bucket)
+        self.next_index = starts[self.started] if self.started < len(buckets) else -1
         if self.hooked:
             with self._lock:
                 self._released = self.started
@@ -450,7 +465,7 @@ class Reductions:
         checked before the last write-back: an error leaves the earlier buckets' averages in
         `.grad`, on every rank alike."""
         buckets, as_view = self.buckets, self.settings.config.gradient_as_bucket_view
-        for bucket in buckets if wanted is None else [buckets[i] for i in wanted]:
+        for bucket in [buckets[i] for i in (self._starts if wanted is None else wanted)]:
             flight = self.flights[bucket.index]
             if flight.stage is Stage.WRITTEN or (landed_only and not self.done_within(bucket, 0)):
                 continue

@@ -69,7 +69,7 @@ from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
 from .module_guards import UnsynchronisedGradients, check_outputs_hold_tensors
-from .overlap import OverlappedOptimizer
+from .overlap import OverlappedOptimizer, agree_on_tail, tail_bytes
 from .torch_compat import (
     TorchDDP,
     TorchNamedReducer,
@@ -251,19 +251,29 @@ class DistributedDataParallel(_Base):
         """{parameter name: ranks that did not use it} for the last synchronised iteration."""
         return dict(self.reducer.last_unused_report) if self.reducer is not None else {}
 
-    def overlap_optimizer(self, optimizer: torch.optim.Optimizer) -> OverlappedOptimizer:
-        """Step `optimizer` per bucket, each as soon as its averages land at the end of
-        backward, while the later buckets are still reducing; use what this returns in its
-        place, in the same loop (`loss.backward(); opt.step(); opt.zero_grad()`).
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, tail_mb: float | None = None,
+                          chunk_mb: float | None = None) -> OverlappedOptimizer:
+        """Step `optimizer` per bucket as each bucket's averages land, and let the next forward
+        start on what has landed; use what this returns in its place, in the same loop
+        (`loss.backward(); opt.step(); opt.zero_grad()`).
 
         Buckets landed by the end of backward are stepped there, the rest in the next forward,
-        each before the first module that uses its parameters, so that forward runs over the
-        communication still in flight; `step()` returns at once. Read parameters or gradients
-        between `step()` and the next forward after `opt.wait()`. Every synchronised backward
-        steps: accumulate under `no_sync()`. Clipping after backward and `torch.amp.GradScaler`
-        are refused (`OverlappedOptimizer` says why). Parameters and optimizer state equal
-        torch's DDP with `optimizer` stepped after backward."""
-        return OverlappedOptimizer(self._reducer_for("overlap_optimizer"), self.module, optimizer)
+        each before the first module that uses its parameters; the last `tail_mb` MiB of
+        gradients in ready order (nearest the input: needed first) are sent nearest-first, in
+        chunks of `chunk_mb` MiB (`ReducerConfig.priority_tail_bytes`; None: the measured
+        defaults, `overlap.DEFAULT_TAIL_MB` and `DEFAULT_CHUNK_MB`), so the next forward runs
+        over the communication still in flight. `step()` returns at once. Read parameters or
+        gradients between `step()` and the next forward after `opt.wait()`. Every synchronised
+        backward steps: accumulate under `no_sync()`. Clipping after backward and
+        `torch.amp.GradScaler` are refused (`OverlappedOptimizer` says why). Parameters and
+        optimizer state equal torch's DDP with `optimizer` stepped after backward.
+        Every rank must call it alike."""
+        reducer = self._reducer_for("overlap_optimizer")
+        tail, chunk = tail_bytes(tail_mb, chunk_mb)
+        agree_on_tail(self.process_group, tail, chunk)
+        overlapped = OverlappedOptimizer(reducer, self.module, optimizer)
+        reducer.send_tail_first(tail, chunk)
+        return overlapped
 
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
         """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,

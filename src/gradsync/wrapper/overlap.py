@@ -38,9 +38,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.bucket import Bucket
+from ..engine.collectives import all_gather_objects
 from ..engine.reducer import Reducer
 
-__all__ = ["OverlappedOptimizer"]
+__all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_TAIL_MB", "OverlappedOptimizer", "agree_on_tail",
+           "tail_bytes"]
+
+# Measured on the emulated cluster (docs/benchmarks/overlap-optimizer.md).
+DEFAULT_TAIL_MB = 8.0
+DEFAULT_CHUNK_MB = 1.0
 
 _Held = tuple[torch.Tensor, "torch.Tensor | None", int]  # a parameter, its gradient, its version
 
@@ -300,6 +306,29 @@ def _detach(reducer: Reducer, hooks: list[Any]) -> None:
     reducer.step_each_bucket(None)
     for hook in hooks:
         hook.remove()
+
+
+def tail_bytes(tail_mb: float | None, chunk_mb: float | None) -> tuple[int, int]:
+    """(tail, chunk) in bytes, from MiB (None: the defaults), checked."""
+    sizes = []
+    for name, value, default in (("tail_mb", tail_mb, DEFAULT_TAIL_MB),
+                                 ("chunk_mb", chunk_mb, DEFAULT_CHUNK_MB)):
+        value = default if value is None else value
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"overlap_optimizer({name}={value!r}): expected a size in MiB >= 0")
+        sizes.append(int(value * 2**20))
+    return sizes[0], sizes[1]
+
+
+def agree_on_tail(group: Any, tail: int, chunk: int) -> None:
+    """Every rank must cut and order the buckets alike: a difference would pair different
+    buckets' collectives across ranks. Raised on every rank, naming them, before any is sent."""
+    everyone = all_gather_objects(group, (tail, chunk))
+    if len(set(everyone)) > 1:
+        shown = ", ".join(f"rank {r}: tail {t} B, chunk {c} B"
+                          for r, (t, c) in enumerate(everyone))  # type: ignore[misc]
+        raise ValueError(f"overlap_optimizer: the ranks asked for different tails ({shown}); "
+                         "pass the same tail_mb and chunk_mb on every rank")
 
 
 def _check_steps_per_parameter(optimizer: object) -> None:
