@@ -244,7 +244,8 @@ class Reducer:
         given (a framework preparing the backward itself, as torch's reducer lets it), it is
         asked of `take_micro_steps`, which the wrapper sets, or taken as 1.
         """
-        self.land()  # what the forward did not need (parameters it did not use)
+        if self.phase is Phase.LANDING:  # what the forward did not need (parameters unused)
+            self.land()
         self._check_prior_reduction_finished()
         self._checks.check_landed(self.iteration, self.config.check_accumulation)
         self._timelines.publish_landed()
@@ -494,7 +495,7 @@ class Reducer:
         it.timeline.backward_end_ns = self._settings.clock()
         self._waits.begin(self.iteration, self.config.timeout, self.buckets,
                           self._reductions.done_within)
-        if not self._reductions.lands_lazily():
+        if not (self._reductions.lazily and self._reductions.lands_lazily()):
             self._land(it, None, landed_only=False)
             return
         self.phase = Phase.LANDING

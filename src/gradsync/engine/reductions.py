@@ -99,7 +99,9 @@ class Reductions:
         self.settings, self.bucket_set, self.group = settings, bucket_set, group
         self.checks, self.waits, self.used, self.calls = checks, waits, used, calls
         self.names, self.rank = bucket_set.names, group.rank()
+        self.buckets: list[Bucket] = []  # the layout's (`set_order`)
         self.flights: list[Flight] = []
+        self._cleared = True  # nothing of an iteration left to drop
         self.order: list[int] = []  # the order to start the buckets in (`set_order`)
         self._by_index: list[int] = []
         self._starts: list[int] = []  # this iteration's (by index with a hook)
@@ -122,13 +124,12 @@ class Reductions:
         self.written_with: list[int] | None = None  # the used map they were written with
         self._reports_started = False
 
-    @property
-    def buckets(self) -> list[Bucket]:
-        return self.bucket_set.buckets
-
     def set_order(self, order: list[int] | None) -> None:
-        """A new layout's order to start its buckets in (`layout.priority_tail`); None: by
-        index, as they fill in ready order."""
+        """A new layout's buckets (`bucket_set`'s), and the order to start them in
+        (`layout.priority_tail`); None: by index, as they fill in ready order."""
+        self.buckets = self.bucket_set.buckets
+        self.flights = [Flight() for _ in self.buckets]
+        self._cleared = True
         self._by_index = list(range(len(self.buckets)))
         self.order = order if order is not None else self._by_index
 
@@ -137,7 +138,8 @@ class Reductions:
     def begin(self, it: Iteration) -> None:
         """A new iteration: every bucket filling, nothing started."""
         s = self.settings
-        self.flights = [Flight() for _ in self.buckets]
+        assert self._cleared, "an iteration began before the last one was cleared"
+        self._cleared = False  # its flights are fresh (`clear`, `set_order`)
         self.started = self.settled = self._released = self._hooked_count = self.written = 0
         self._reports_started, self.written_with = False, None
         # Sharded buckets run a registered hook themselves, as a reduce-scatter (`BucketSet.shard`).
@@ -152,12 +154,12 @@ class Reductions:
 
     def clear(self) -> None:
         """Drop what an iteration left (finished or abandoned): each bucket's state reset, a
-        transient buffer still reducing not lent again."""
-        same_layout = len(self.flights) == len(self.buckets)
-        for bucket, flight in zip(self.buckets,
-                                  self.flights if same_layout else [Flight()] * len(self.buckets)):
+        transient buffer still reducing not lent again. Once: until the next `begin`."""
+        if self._cleared:
+            return
+        for bucket, flight in zip(self.buckets, self.flights):
             bucket.reset(reusable=flight.work is None or flight.work.is_completed())
-        self.flights = [Flight() for _ in self.buckets]
+        self.flights, self._cleared = [Flight() for _ in self.buckets], True
 
     def reports_in_tail(self) -> bool:
         """Whether this rank's report rides after the last bucket's gradients in its

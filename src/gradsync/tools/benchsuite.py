@@ -11,7 +11,9 @@ that every synchronising variant ended with the same parameters, and writes a ma
 a JSON file and a PNG chart.
 
 Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with
-gradient_as_bucket_view; gradsync with planned buckets (`bucket_cap_mb="auto"`); no overlap (plain
+gradient_as_bucket_view; gradsync with planned buckets (`bucket_cap_mb="auto"`); gradsync
+overlap (`overlap_optimizer`: each bucket stepped as it lands, the tail sent nearest the input
+first, the next forward over it); no overlap (plain
 backward, then one flat all-reduce); and the compute-only floor (no communication at all).
 
 With --device cuda (or cpu) or --model: the device bench (`gradsync.tools.devicebench`,
@@ -47,6 +49,7 @@ VARIANTS = (
     "gradsync",
     "gradsync as_view",
     "gradsync planned",
+    "gradsync overlap",
     "no overlap",
     "compute only",
 )
@@ -200,13 +203,24 @@ def _wrap_variant(name: str, model: nn.Module) -> nn.Module:
     return model
 
 
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-4),
+}
+
+
 def _make_variant(
-    name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list]
+    name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list],
+    optimizer: str = "sgd",
 ):
     torch.manual_seed(0)
     model, make_input = MODELS[model_name]()
     wrapped = _wrap_variant(name, model)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    opt = OPTIMIZERS[optimizer](model.parameters())
+    # each bucket stepped as it lands, the next forward over the tail
+    if "overlap" in name:
+        opt = wrapped.overlap_optimizer(opt)  # type: ignore[operator]
+    land = getattr(opt, "wait", lambda: None)
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [make_input(g) for _ in range(4)]
     counter = [0]
@@ -224,6 +238,7 @@ def _make_variant(
         # charged to them), per step and as a share of the steps' wall time.
         cpu_start, wall_start = time.process_time(), time.perf_counter()
         seconds = timed(step, repeat)
+        land()  # the last step's tail, before the next variant runs (timed in the next round)
         busy = time.process_time() - cpu_start
         cpu.setdefault(name, []).append((busy / repeat, busy / (time.perf_counter() - wall_start)))
         return seconds
@@ -234,10 +249,12 @@ def _make_variant(
     return run
 
 
-def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool = True) -> dict:
+def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool = True,
+              optimizer: str = "sgd") -> dict:
     models: dict[str, nn.Module] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}
-    variants = {v: _make_variant(v, model_name, rank, repeat, models, cpu) for v in VARIANTS}
+    variants = {v: _make_variant(v, model_name, rank, repeat, models, cpu, optimizer)
+                for v in VARIANTS}
     # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
     # (every variant trains the same steps, so all still end with the same parameters). A smoke
     # run (`settle=False`) times planned buckets mid-trial: it checks that they run and stay exact.
@@ -444,6 +461,8 @@ def _parser(device_models: tuple[str, ...],
     p.add_argument("--quick", action="store_true", help="a smoke run: 2 rounds of 2 steps, "
                    "two small models, no warm-up for planned buckets' trial; with --device, "
                    "3 rounds of 2 steps")
+    p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
+                   help="every variant's optimizer (default sgd)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
                    "(default out/bench; with --device, out/bench-DEVICE)")
     d = p.add_argument_group("the device bench")
@@ -507,7 +526,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         rank = dist.get_rank()
         results = {
-            m: run_model(m, args.rounds, args.repeat, rank, settle=not args.quick)
+            m: run_model(m, args.rounds, args.repeat, rank, settle=not args.quick,
+                         optimizer=args.optimizer)
             for m in args.models.split(",")
         }
         if rank == 0:
