@@ -375,3 +375,25 @@ def test_ranks_asking_for_different_tails_are_refused_naming_them():
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_a_tail_sent_first_in_chunks_equals_torch_ddp(optimizer):
     _check("many_small", optimizer, foreach=True, tail_mb=0.0004, chunk_mb=0.00005)
+
+
+def test_a_parameter_written_while_its_bucket_is_landing_is_refused_and_a_load_waits():
+    def body(rank, group):
+        held = _Held(group)
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        saved = {k: v.clone() for k, v in ddp.state_dict().items()}
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        ddp.load_state_dict(saved)  # lands (and steps) first, then loads: the saved values win
+        loaded = all(torch.equal(v, ddp.state_dict()[k]) for k, v in saved.items())
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        with torch.no_grad():
+            model[0].weight.mul_(0.5)  # behind the optimizer's back, before the bucket lands
+        with pytest.raises(RuntimeError, match=r"parameters 0.weight were changed in place"):
+            opt.wait()
+        return loaded
+
+    assert run_threaded(body, 2, timeout=60) == [True, True]

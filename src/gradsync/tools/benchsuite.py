@@ -250,11 +250,11 @@ def _make_variant(
 
 
 def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool = True,
-              optimizer: str = "sgd") -> dict:
+              optimizer: str = "sgd", names: tuple[str, ...] = VARIANTS) -> dict:
     models: dict[str, nn.Module] = {}
     cpu: dict[str, list[tuple[float, float]]] = {}
     variants = {v: _make_variant(v, model_name, rank, repeat, models, cpu, optimizer)
-                for v in VARIANTS}
+                for v in names}
     # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
     # (every variant trains the same steps, so all still end with the same parameters). A smoke
     # run (`settle=False`) times planned buckets mid-trial: it checks that they run and stay exact.
@@ -369,7 +369,8 @@ def _floor_line(
     result: Comparison, floor: float, which: str = "max(compute, communication)"
 ) -> str:
     shares = ", ".join(
-        f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in VARIANTS if v != "compute only"
+        f"{v} {result.median(v) * 1e3 / floor:.2f}x" for v in result.variants
+        if v != "compute only"
     )
     return f"floor {which} = {floor:.2f} ms; step time / floor: {shares}"
 
@@ -377,7 +378,8 @@ def _floor_line(
 def chart(results: dict[str, dict], path: Path) -> Path:
     from ..observability.plot import figure, save_figure
 
-    names = [v for v in VARIANTS if v != "torch DDP"]  # the A/A bar shows the noise
+    names = [v for v in next(iter(results.values()))["result"].variants
+             if v != "torch DDP"]  # the A/A bar shows the noise
     fig, ax = figure(9, 4)
     width = 0.8 / len(names)
     for k, v in enumerate(names):
@@ -440,6 +442,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [m for m in args.models.split(",") if m not in MODELS]
     if unknown or args.rounds < 1 or args.repeat < 1:
         p.error(f"unknown models {unknown} (choose from {list(MODELS)}), or rounds/repeat below 1")
+    only = [v for v in (args.only or "").split(",") if v]
+    if [v for v in only if v not in VARIANTS]:
+        p.error(f"--only: unknown {[v for v in only if v not in VARIANTS]} (choose from "
+                f"{list(VARIANTS)})")
+    always = ("torch DDP", "torch DDP (again)", "compute only")  # the baseline, A/A, floor
+    args.cpu_variants = tuple(v for v in VARIANTS if not only or v in only or v in always)
     return args
 
 
@@ -463,6 +471,10 @@ def _parser(device_models: tuple[str, ...],
                    "3 rounds of 2 steps")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                    help="every variant's optimizer (default sgd)")
+    p.add_argument("--only", default=None,
+                   help=f"comma-separated variants, from {', '.join(VARIANTS)} (default: all; "
+                   "torch DDP, its A/A pair and compute only always run: the ratios and the "
+                   "floor are taken from them)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
                    "(default out/bench; with --device, out/bench-DEVICE)")
     d = p.add_argument_group("the device bench")
@@ -527,7 +539,7 @@ def main(argv: list[str] | None = None) -> None:
         rank = dist.get_rank()
         results = {
             m: run_model(m, args.rounds, args.repeat, rank, settle=not args.quick,
-                         optimizer=args.optimizer)
+                         optimizer=args.optimizer, names=args.cpu_variants)
             for m in args.models.split(",")
         }
         if rank == 0:
@@ -545,10 +557,11 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
     (out / "bench.md").write_text(text + "\n")
     summary = {
         m: {
-            "median_ms": {v: d["result"].median(v) * 1e3 for v in VARIANTS},
-            "ratio_to_torch": {v: d["result"].paired_ratio(v, "torch DDP") for v in VARIANTS},
+            "median_ms": {v: d["result"].median(v) * 1e3 for v in d["result"].variants},
+            "ratio_to_torch": {v: d["result"].paired_ratio(v, "torch DDP")
+                               for v in d["result"].variants},
             "ratio_interval_to_torch": {
-                v: d["result"].ratio_interval(v, "torch DDP") for v in VARIANTS
+                v: d["result"].ratio_interval(v, "torch DDP") for v in d["result"].variants
             },
             "gradient_bytes": d["nbytes"],
             "allreduce_alpha_ms": d["cost"].alpha_ms,

@@ -155,6 +155,7 @@ class DistributedDataParallel(_Base):
                 self._delayed.broadcast_from_rank0()
         self._connect()
         self.register_state_dict_pre_hook(_land_before_saving)
+        self.register_load_state_dict_pre_hook(_land_before_loading)
         log.info(
             "rank %d/%d: wrapped %d parameters in %d buckets (find_unused=%s, static_graph=%s)",
             self.process_group.rank(), self.process_group.size(), len(self._named_params),
@@ -370,7 +371,9 @@ class DistributedDataParallel(_Base):
         sync = torch.is_grad_enabled() and self.require_backward_grad_sync
         self._placement.check(sample=True)
         if self.reducer is not None:
-            if not sync:  # nothing may still be landing under a forward that will not reduce
+            # Nothing may still be landing under a forward that will not reduce, nor under
+            # mixed precision's low-precision copies, made from the whole parameters now.
+            if not sync or self._mixed is not None:
                 self.reducer.land()
             self.reducer.prepare_for_forward()
         if self._delayed is not None:
@@ -681,6 +684,12 @@ def _where(t: torch.Tensor | None) -> str:
 
 def _land_before_saving(wrapper: DistributedDataParallel, _prefix: str, _keep: bool) -> None:
     """A state-dict pre-hook: parameters still being stepped as their buckets land first."""
+    if wrapper.reducer is not None:
+        wrapper.reducer.land()
+
+
+def _land_before_loading(wrapper: DistributedDataParallel, *_args: Any) -> None:
+    """A load-state-dict pre-hook: no bucket may land (and step) on top of loaded values."""
     if wrapper.reducer is not None:
         wrapper.reducer.land()
 

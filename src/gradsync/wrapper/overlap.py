@@ -79,6 +79,7 @@ class OverlappedOptimizer(Optimizer):
         self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
         self._resets: dict[int, list[tuple[torch.Tensor, bool]]] = {}  # cleared since step()
         self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
+        self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}  # their parameters'
         # The groups' settings (lr...) when `step()` was called: the buckets landing after it
         # are stepped with them, not with what an LR scheduler has set since.
         self._settings: list[dict[str, Any]] = []
@@ -160,6 +161,8 @@ class OverlappedOptimizer(Optimizer):
         self._begin(reducer.iteration if reducer is not None else None)
         self._pending = {b.index: [(p, p.grad, _version(p.grad)) for p in self._held(b)]
                          for b in pending}
+        self._versions = {index: [(p, p._version) for p, _, _ in held]
+                          for index, held in self._pending.items()}
         self._resets, self._zero_after = {}, {}
 
     def _landing(self, bucket: Bucket) -> None:
@@ -168,6 +171,9 @@ class OverlappedOptimizer(Optimizer):
         held = self._pending.pop(bucket.index, None)
         if not held:
             return
+        versions = self._versions.pop(bucket.index, ())
+        if written := [(p, None) for p, version in versions if p._version != version]:
+            raise RuntimeError(_PARAMETER_CHANGED.format(names=self._named(written)))
         reducer = self._reducer()
         if reducer is None or self._acknowledged != reducer.iteration:
             self._check_unchanged(held)
@@ -208,6 +214,8 @@ class OverlappedOptimizer(Optimizer):
             raise RuntimeError(_ACCUMULATED)
         self._steps = {n for n in self._steps if n >= (number or 0)}
         self._iteration, self._stepped = number, []
+        # what an iteration dropped before all its buckets landed (an error) left behind
+        self._pending, self._versions, self._resets, self._zero_after = {}, {}, {}, {}
 
     def _subsets_of(self, bucket: Bucket) -> list[list[torch.Tensor]]:
         """Per group of the optimizer, its parameters in `bucket`."""
@@ -352,6 +360,13 @@ _CHANGED = (
     "(torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ between backward and step?). Step "
     "with the plain optimizer to clip by the global norm or to scale the loss; read gradients "
     "after opt.wait()."
+)
+_PARAMETER_CHANGED = (
+    "OverlappedOptimizer: the parameters {names} were changed in place after backward while "
+    "their bucket was still landing, to be stepped from the values they had: the change and "
+    "the step would mix. Call opt.wait() before writing to parameters between step() and the "
+    "next forward (an EMA may read them after it; a checkpoint load through the wrapper waits "
+    "by itself)."
 )
 _CHANGED_IN_FLIGHT = (
     "OverlappedOptimizer: the gradients of {names} were changed in place after step() while "
