@@ -289,12 +289,11 @@ def test_the_next_forward_waits_only_for_the_buckets_of_each_module_in_turn():
         return after_backward, phase, waits_before[-4:]
 
     for after_backward, phase, waits in run_threaded(body, 2, timeout=60):
-        # Nothing had landed when backward ended, nor when step() returned; by the time each
-        # layer runs (counted after the landing hook, registered first) the first has waited
-        # for its own two buckets (weight and bias, the last sent), each next layer for two
-        # more: not for all eight before the first.
+        # Nothing had landed when backward ended, nor when step() returned; each layer starts
+        # having waited for the buckets of the layers before it only: its own two (weight and
+        # bias) land at their first use, inside it. Not all eight before the first.
         assert (after_backward, phase) == (0, "landing")
-        assert waits == [2, 4, 6, 8]
+        assert waits == [0, 2, 4, 6]
 
 
 @pytest.mark.parametrize("what", ["state_dict", "no_sync", "eval", "wait", "opt_state_dict"])
@@ -397,3 +396,23 @@ def test_a_parameter_written_while_its_bucket_is_landing_is_refused_and_a_load_w
         return loaded
 
     assert run_threaded(body, 2, timeout=60) == [True, True]
+
+
+def test_a_parameter_used_outside_its_own_module_lands_before_that_use():
+    """nn.MultiheadAttention uses its out_proj's weight itself, never calling out_proj: the
+    parameter still lands (and is stepped) before the forward saves it for backward."""
+    def body(rank, group):
+        held = _Held(group)
+        model = seeded(lambda: torch.nn.MultiheadAttention(8, 2), 0)
+        ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)
+        opt = ddp.overlap_optimizer(torch.optim.Adam(model.parameters(), lr=0.1), tail_mb=0)
+        for _ in range(4):
+            x = torch.randn(3, 2, 8)
+            ddp(x, x, x)[0].sum().backward()  # an in-place step after the save would raise here
+            opt.step()
+            opt.zero_grad()
+        opt.wait()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = run_threaded(body, 2, timeout=60)
+    assert all(torch.equal(a, b) for a, b in zip(*ours))

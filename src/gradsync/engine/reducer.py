@@ -23,9 +23,11 @@ and `Timelines` below (the finished iterations' timelines).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import functools
+import itertools
 import weakref
 from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -34,10 +36,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from . import layout as layouts
 from . import missing, shadow, static_graph
+from .bucket import Bucket
 from .bucket_set import BucketSet
 from .bucket_shard import ReduceBy
 from .bucketing import validate_bucket_indices
@@ -123,6 +127,7 @@ class Reducer:
         # `register_finish_hook`
         self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self.phase, self._it = Phase.IDLE, Iteration.idle(0, len(self.params), self.world_size)
+        self.on_use: LandOnUse | None = None  # lands buckets as the forward uses them
         # Held for the unused search to ask the engine about (else it walks the graph); not
         # with parameters cast each forward (`bucket_dtype`), whose accumulators are new each time.
         held = self._settings.find_unused and config.bucket_dtype is None
@@ -310,16 +315,21 @@ class Reducer:
         """Note that a new forward has started (call it on every forward, synced or not).
 
         Until then, a gradient that arrives for a parameter already reduced in this iteration is
-        an error: it would be silently left out of the average.
+        an error: it would be silently left out of the average. Buckets still landing go on
+        landing, each where the forward uses it (`landing_on_use`).
         """
-        self.note_module_forward()
+        if self.phase is Phase.REDUCED:
+            self.phase = Phase.IDLE
         self._forward_start_ns = self._settings.clock()
 
     def note_module_forward(self) -> None:
         """The wrapped module ran forward (through the wrapper or not): gradients from here on
-        belong to a new graph, not late arrivals for the last reduced iteration."""
+        belong to a new graph, not late arrivals for the last reduced iteration. Not through
+        the wrapper, nothing may still be landing under it."""
         if self.phase is Phase.REDUCED:
             self.phase = Phase.IDLE
+        elif self.phase is Phase.LANDING and self.on_use is None:
+            self.land()
 
     def _clear_reduction(self) -> None:
         """Drop what an iteration left in flight: reports, used map, the buckets' state."""
@@ -510,11 +520,13 @@ class Reducer:
         if self.phase is Phase.LANDING:
             self._land(self._it, buckets, landed_only=False)
 
-    def land_parameters(self, indices: Sequence[int]) -> None:
-        """`land` the buckets that hold parameters `indices` (a module's, before its forward)."""
-        if self.phase is Phase.LANDING:
-            bucket_of = self._bucket_of
-            self._land(self._it, sorted({bucket_of[i].index for i in indices}), landed_only=False)
+    def landing_on_use(self) -> contextlib.AbstractContextManager:
+        """Around a forward through the wrapper: while buckets are landing, a torch function
+        mode that lands each when one of its parameters is first used (`LandOnUse`), so that
+        forward waits for each bucket where it needs it and for nothing else."""
+        if self.phase is not Phase.LANDING:
+            return contextlib.nullcontext()
+        return LandOnUse(self, self._reductions.pending())
 
     def _land(self, it: Iteration, buckets: Sequence[int] | None, landed_only: bool) -> bool:
         """Write back what is wanted; once every bucket is, end the iteration (at once on an
@@ -725,6 +737,44 @@ class Timelines:
 
 def _always() -> bool:
     return True
+
+
+class LandOnUse(TorchFunctionMode):
+    """While buckets are landing (`Reducer.landing_on_use`): a torch function given a
+    parameter of one lands that bucket first. Exact where module hooks are not: a parameter
+    used by a function of another module (`nn.MultiheadAttention`'s `out_proj`, tied weights)
+    lands before its first use all the same, never stepped after the forward has saved it."""
+
+    def __init__(self, reducer: Reducer, pending: Sequence[Bucket]) -> None:
+        super().__init__()
+        self.reducer = reducer
+        self.bucket_of = {id(p): b.index for b in pending for p in b.params}
+
+    def __enter__(self) -> LandOnUse:
+        self.reducer.on_use = self
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.reducer.on_use = None
+        super().__exit__(*exc)
+
+    def __torch_function__(self, func: Callable, types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.bucket_of:
+            self._land_used(args, kwargs)
+        return func(*args, **kwargs)
+
+    def _land_used(self, args: tuple, kwargs: dict) -> None:
+        bucket_of, hit = self.bucket_of, set()
+        for arg in itertools.chain(args, kwargs.values()):
+            if isinstance(arg, (list, tuple)):
+                hit.update(bucket_of[id(a)] for a in arg if id(a) in bucket_of)
+            elif id(arg) in bucket_of:
+                hit.add(bucket_of[id(arg)])
+        if hit:
+            self.bucket_of = {k: v for k, v in bucket_of.items() if v not in hit}
+            self.reducer.land(sorted(hit))
 
 
 def find_tensors(obj: object) -> list[torch.Tensor]:

@@ -259,7 +259,7 @@ class DistributedDataParallel(_Base):
         (`loss.backward(); opt.step(); opt.zero_grad()`).
 
         Buckets landed by the end of backward are stepped there, the rest in the next forward,
-        each before the first module that uses its parameters; the last `tail_mb` MiB of
+        each where one of its parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
         chunks of `chunk_mb` MiB (`ReducerConfig.priority_tail_bytes`; None: the measured
         defaults, `overlap.DEFAULT_TAIL_MB` and `DEFAULT_CHUNK_MB`), so the next forward runs
@@ -272,7 +272,7 @@ class DistributedDataParallel(_Base):
         reducer = self._reducer_for("overlap_optimizer")
         tail, chunk = tail_bytes(tail_mb, chunk_mb)
         agree_on_tail(self.process_group, tail, chunk)
-        overlapped = OverlappedOptimizer(reducer, self.module, optimizer)
+        overlapped = OverlappedOptimizer(reducer, optimizer)
         reducer.send_tail_first(tail, chunk)
         return overlapped
 
@@ -361,10 +361,17 @@ class DistributedDataParallel(_Base):
             inputs, kwargs, active = self._pre_forward(*inputs, **kwargs)
             ACTIVE_FORWARDS.enter(self)
             try:
-                output = self.module(*inputs, **kwargs)
+                # buckets still landing (overlap_optimizer): each where the forward needs it
+                with self._landing_on_use():
+                    output = self.module(*inputs, **kwargs)
             finally:
                 ACTIVE_FORWARDS.leave(self)
             return self._post_forward(output, active)
+
+    @torch.compiler.disable
+    def _landing_on_use(self) -> contextlib.AbstractContextManager:
+        return (self.reducer.landing_on_use() if self.reducer is not None
+                else contextlib.nullcontext())
 
     @torch.compiler.disable
     def _pre_forward(self, *inputs: Any, **kwargs: Any) -> tuple[Any, Any, dist.Work | None]:

@@ -5,9 +5,9 @@ torch's DDP overlaps communication with backward and nothing else: the optimizer
 for the last bucket, the one nearest the input, ready last in backward, and the next forward
 waits for the step. Here the wrapped optimizer's own code steps each bucket's parameters as
 that bucket lands (`Reducer.step_each_bucket`): at the end of backward those landed already,
-the rest where their parameters are needed next, in the next forward (each module's forward
-pre-hook lands the buckets holding its own parameters, `Reducer.land_parameters`), so the next
-forward runs over the communication still in flight. Any optimizer that steps each parameter
+the rest where their parameters are needed next, in the next forward (a bucket lands when a
+torch function is first given one of its parameters, `reducer.LandOnUse`), so the next forward
+runs over the communication still in flight. Any optimizer that steps each parameter
 from its own gradient and state gives the same parameters and state as stepping them all at
 once (SGD, Adam, AdamW, RMSprop, Adagrad...): its per-parameter arithmetic runs on a subset at
 a time.
@@ -34,7 +34,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import nn
 from torch.optim import Optimizer
 
 from ..engine.bucket import Bucket
@@ -63,7 +62,7 @@ class OverlappedOptimizer(Optimizer):
     # GradScaler then calls `step` itself instead of unscaling first: refused there, by name.
     _step_supports_amp_scaling = True
 
-    def __init__(self, reducer: Reducer, module: nn.Module, optimizer: Optimizer) -> None:
+    def __init__(self, reducer: Reducer, optimizer: Optimizer) -> None:
         _check_steps_per_parameter(optimizer)
         self.optimizer = optimizer
         self._reducer = weakref.ref(reducer)
@@ -83,9 +82,8 @@ class OverlappedOptimizer(Optimizer):
         # The groups' settings (lr...) when `step()` was called: the buckets landing after it
         # are stepped with them, not with what an LR scheduler has set since.
         self._settings: list[dict[str, Any]] = []
-        hooks = _land_before_forward(reducer, module)
         reducer.step_each_bucket(_Stepper(self), lazily=True)
-        weakref.finalize(self, _detach, reducer, hooks)
+        weakref.finalize(self, _detach, reducer)
 
     # ------------------------------------------------------------------ the optimizer's face
 
@@ -283,37 +281,8 @@ class _Stepper:
             optimizer._written(bucket)
 
 
-class _LandFor:
-    """A module's forward pre-hook: land the buckets holding its own parameters first.
-    Pickles (with the module) to a no-op."""
-
-    def __init__(self, reducer: weakref.ref[Reducer] | None, indices: list[int]) -> None:
-        self.reducer, self.indices = reducer, indices
-
-    @torch.compiler.disable
-    def __call__(self, _module: nn.Module, _inputs: Any) -> None:
-        reducer = self.reducer() if self.reducer is not None else None
-        if reducer is not None:
-            reducer.land_parameters(self.indices)
-
-    def __reduce__(self) -> tuple[type, tuple[None, list[int]]]:
-        return (_LandFor, (None, []))
-
-
-def _land_before_forward(reducer: Reducer, module: nn.Module) -> list[Any]:
-    index_of = {id(p): i for i, p in enumerate(reducer.params)}
-    hooks = []
-    for sub in module.modules():
-        indices = [index_of[id(p)] for p in sub.parameters(recurse=False) if id(p) in index_of]
-        if indices:
-            hooks.append(sub.register_forward_pre_hook(_LandFor(weakref.ref(reducer), indices)))
-    return hooks
-
-
-def _detach(reducer: Reducer, hooks: list[Any]) -> None:
+def _detach(reducer: Reducer) -> None:
     reducer.step_each_bucket(None)
-    for hook in hooks:
-        hook.remove()
 
 
 def tail_bytes(tail_mb: float | None, chunk_mb: float | None) -> tuple[int, int]:
