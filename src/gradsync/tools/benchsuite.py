@@ -260,7 +260,7 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool
     # run (`settle=False`) times planned buckets mid-trial: it checks that they run and stay exact.
     settles = AutoBuckets().decided_by if settle else 0
     result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(settles / repeat)))
-    nbytes = sum(p.numel() * p.element_size() for p in models["gradsync"].parameters())
+    nbytes = sum(p.numel() * p.element_size() for p in models["torch DDP"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]
     plans = {

@@ -44,7 +44,7 @@ __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_TAIL_MB", "OverlappedOptimizer", "agree_
            "tail_bytes"]
 
 # Measured on the emulated cluster (docs/benchmarks/overlap-optimizer.md).
-DEFAULT_TAIL_MB = 8.0
+DEFAULT_TAIL_MB = 4.0
 DEFAULT_CHUNK_MB = 1.0
 
 _Held = tuple[torch.Tensor, "torch.Tensor | None", int]  # a parameter, its gradient, its version
