@@ -475,7 +475,7 @@ class Reductions:
             if self.written == len(buckets) - 1:
                 self.start_reports(it)
                 self.check_reports(it)
-            self._write_back(bucket, None, as_view)
+            self._write_back(it, bucket, None, as_view)
         return self.written == len(buckets)
 
     def pending(self) -> list[Bucket]:
@@ -499,19 +499,22 @@ class Reductions:
         # batch per bucket rather than parameter by parameter.
         keep = None if used is None or all(used) else used
         for bucket in buckets:
-            self._write_back(bucket, keep, s.config.gradient_as_bucket_view)
+            self._write_back(it, bucket, keep, s.config.gradient_as_bucket_view)
         return used
 
-    def _write_back(self, bucket: Bucket, used: Sequence[int] | None, as_view: bool) -> None:
-        flight = self.flights[bucket.index]
+    def _write_back(self, it: Iteration, bucket: Bucket, used: Sequence[int] | None,
+                    as_view: bool) -> None:
+        flight, stepper = self.flights[bucket.index], self.stepper
         assert flight.stage is Stage.LANDED, f"bucket {bucket.index} written back before it landed"
-        if self.stepper is not None:
-            self.stepper.landing(bucket)
+        if stepper is not None:
+            it.timeline.events.append((self.settings.clock(), EventKind.STEP, bucket.index))
+            stepper.landing(bucket)
         bucket.write_back(used, as_view)
         flight.stage = Stage.WRITTEN
         self.written += 1
-        if self.stepper is not None:
-            self.stepper.written(bucket)
+        if stepper is not None:
+            stepper.written(bucket)
+            it.timeline.events.append((self.settings.clock(), EventKind.STEPPED, bucket.index))
 
     # ----------------------------------------------------------------------- reports
 

@@ -29,6 +29,9 @@ class EventKind:
     BUCKET_READY = 2  # a bucket's last gradient arrived (index: bucket)
     LAUNCH = 3  # a bucket's all-reduce was started (index: bucket)
     COMPLETE = 4  # a bucket's all-reduce finished (index: bucket)
+    # with an optimizer stepped per bucket (overlap_optimizer): a bucket's write-back and step
+    STEP = 5  # began, once it had landed (index: bucket)
+    STEPPED = 6  # ended
 
 
 class DiscardedEvents(list):

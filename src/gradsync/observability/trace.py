@@ -1,8 +1,11 @@
-"""Timelines as a Chrome-trace / Perfetto JSON file, one process per rank, two tracks each:
+"""Timelines as a Chrome-trace / Perfetto JSON file, one process per rank, with tracks:
 
+* "forward": a span per iteration, the forward it synchronised;
 * "backward": an instant event per parameter when its gradient became ready, and a span per
   iteration from the end of forward until the gradients were written back;
-* "communication": a complete event per bucket per iteration, from launch to completion.
+* "communication": a complete event per bucket per iteration, from launch to completion;
+* "write-back and step" (with `overlap_optimizer`): a span per bucket, its write-back and its
+  optimizer step, at the end of backward or in the next forward, over the tail still landing.
 
 Open the file in https://ui.perfetto.dev or chrome://tracing. Traces of several ranks can be
 merged with `merge_traces` (their events are keyed by pid = rank).
@@ -20,7 +23,7 @@ from .stats import IterationStats
 
 __all__ = ["chrome_trace", "merge_traces", "write_chrome_trace"]
 
-BACKWARD_TID, COMM_TID = 1, 2
+BACKWARD_TID, COMM_TID, STEP_TID, FORWARD_TID = 1, 2, 3, 4
 _US = 1e-3  # trace timestamps are microseconds
 
 
@@ -32,6 +35,8 @@ def chrome_trace(
         _meta("process_name", rank, 0, {"name": f"rank {rank}"}),
         _meta("thread_name", rank, BACKWARD_TID, {"name": "backward"}),
         _meta("thread_name", rank, COMM_TID, {"name": "communication"}),
+        _meta("thread_name", rank, STEP_TID, {"name": "write-back and step"}),
+        _meta("thread_name", rank, FORWARD_TID, {"name": "forward"}),
     ]
     for tl in timelines:
         if tl.finish_ns:
@@ -48,6 +53,21 @@ def _iteration_events(tl: IterationTimeline, rank: int, names: Sequence[str] | N
             "args": {"exposed_comm_ms": stats.exposed_comm_ms, "overlap": stats.overlap_ratio},
         }
     ]
+    if tl.forward_start_ns and tl.forward_start_ns < tl.start_ns:
+        out.append({
+            "name": f"forward {tl.iteration}", "cat": "forward", "ph": "X", "pid": rank,
+            "tid": FORWARD_TID, "ts": tl.forward_start_ns * _US,
+            "dur": (tl.start_ns - tl.forward_start_ns) * _US,
+        })
+    steps = tl.times(EventKind.STEP)
+    for i, end in tl.times(EventKind.STEPPED).items():
+        if i in steps:
+            out.append({
+                "name": f"step bucket {i}", "cat": "step", "ph": "X", "pid": rank,
+                "tid": STEP_TID, "ts": (tl.start_ns + steps[i]) * _US,
+                "dur": (end - steps[i]) * _US,
+                "args": {"iteration": tl.iteration},
+            })
     for t, kind, i in tl.events:
         if kind in (EventKind.READY, EventKind.UNUSED):
             label = names[i] if names else f"param {i}"
