@@ -396,6 +396,12 @@ def test_sharded_optimizer_is_refused_with_the_reason():
                                          process_group=ddp.process_group, lr=0.1)
 
 
+def test_overlap_optimizer_is_refused_with_the_reason():
+    ddp, _ = _wrapped()
+    with pytest.raises(RuntimeError, match="decides after backward whether this step commits"):
+        ddp.overlap_optimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+
+
 def test_zero_1_across_replicas_is_refused_and_within_a_replica_of_one_rank_works():
     import gradsync
 

@@ -416,3 +416,26 @@ def test_a_parameter_used_outside_its_own_module_lands_before_that_use():
 
     ours = run_threaded(body, 2, timeout=60)
     assert all(torch.equal(a, b) for a, b in zip(*ours))
+
+
+def test_the_trace_shows_each_buckets_step_and_the_forward_on_tracks_of_their_own():
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=1e-7)  # 8 buckets
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), tail_mb=0)
+        for _ in range(3):
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.wait()
+        trace = gradsync.chrome_trace(ddp.reducer.history, rank, ddp.reducer.names)
+        tracks = {e["args"]["name"]: e["tid"] for e in trace["traceEvents"] if e["ph"] == "M"
+                  and e["name"] == "thread_name"}
+        return tracks, [(e["tid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"]
+
+    for tracks, spans in run_threaded(body, 2, timeout=60):
+        steps = [n for tid, n in spans if tid == tracks["write-back and step"]]
+        forwards = [n for tid, n in spans if tid == tracks["forward"]]
+        # one bucket in the first iteration, eight after the rebuild in ready order
+        assert len(steps) == 1 + 8 + 8 and all(n.startswith("step bucket") for n in steps)
+        assert forwards == ["forward 1", "forward 2", "forward 3"]

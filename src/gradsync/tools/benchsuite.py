@@ -471,10 +471,8 @@ def _parser(device_models: tuple[str, ...],
                    "3 rounds of 2 steps")
     p.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="sgd",
                    help="every variant's optimizer (default sgd)")
-    p.add_argument("--only", default=None,
-                   help=f"comma-separated variants, from {', '.join(VARIANTS)} (default: all; "
-                   "torch DDP, its A/A pair and compute only always run: the ratios and the "
-                   "floor are taken from them)")
+    p.add_argument("--only", default=None, help=f"comma-separated, from {', '.join(VARIANTS)} "
+                   "(default: all; torch DDP, its A/A pair and compute only always run)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
                    "(default out/bench; with --device, out/bench-DEVICE)")
     d = p.add_argument_group("the device bench")
