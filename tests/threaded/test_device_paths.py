@@ -25,7 +25,7 @@ from gradsync.engine.collectives import (
 from gradsync.engine.device import HostRead, host_runs_collectives, object_device
 from gradsync.engine.errors import GradSyncError
 from gradsync.engine.events import EventClock
-from gradsync.engine.history import Timelines
+from gradsync.engine.reducer import Timelines
 from gradsync.engine.timeline import IterationTimeline
 from gradsync.testing import run_threaded, seeded
 
