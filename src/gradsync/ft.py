@@ -30,7 +30,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -292,7 +292,8 @@ class DistributedDataParallel(_GradsyncDDP):
             )
         return self.reducer
 
-    def overlap_optimizer(self, optimizer: Any) -> Any:
+    def overlap_optimizer(self, optimizer: torch.optim.Optimizer, tail_mb: float | None = None,
+                          chunk_mb: float | None = None) -> NoReturn:
         """Refused: torchft decides after backward whether the step commits
         (`Manager.should_commit`), so no bucket may be stepped before that answer."""
         raise RuntimeError(

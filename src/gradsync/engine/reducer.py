@@ -559,7 +559,7 @@ class Reducer:
         with sharded gradients, whose averages never reach `.grad`.
 
         `lazily`: backward ends without waiting, leaving the buckets still reducing to land
-        where their parameters are needed next (`land`, `land_parameters`), where the
+        where their parameters are needed next (`land`, `landing_on_use`), where the
         configuration allows (`Reductions.lands_lazily`)."""
         if stepper is not None and self._reductions.stepper is not None:
             raise RuntimeError("step_each_bucket: buckets are already stepped by another "
@@ -766,7 +766,7 @@ class LandOnUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _land_used(self, args: tuple, kwargs: dict) -> None:
-        bucket_of, hit = self.bucket_of, set()
+        bucket_of, hit = self.bucket_of, set[int]()
         for arg in itertools.chain(args, kwargs.values()):
             if isinstance(arg, (list, tuple)):
                 hit.update(bucket_of[id(a)] for a in arg if id(a) in bucket_of)

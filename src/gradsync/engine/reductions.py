@@ -436,7 +436,7 @@ class Reductions:
 
     def lands_lazily(self) -> bool:
         """Whether this iteration's buckets may land after backward, each where its parameters
-        are needed: an optimizer steps them as they land (`after_write_back`, `lazily`), and
+        are needed: an optimizer steps them as they land (`stepper`, `lazily`), and
         nothing waits for every bucket first (no used map, no hook chain, not sharded)."""
         s = self.settings
         return (self.lazily and self.stepper is not None and not self.hooked

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
@@ -87,16 +87,16 @@ class OverlappedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ the optimizer's face
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.optimizer.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.optimizer.defaults
 
     def state_dict(self) -> dict[str, Any]:
@@ -300,10 +300,10 @@ def tail_bytes(tail_mb: float | None, chunk_mb: float | None) -> tuple[int, int]
 def agree_on_tail(group: Any, tail: int, chunk: int) -> None:
     """Every rank must cut and order the buckets alike: a difference would pair different
     buckets' collectives across ranks. Raised on every rank, naming them, before any is sent."""
-    everyone = all_gather_objects(group, (tail, chunk))
+    everyone = cast(list[tuple[int, int]], all_gather_objects(group, (tail, chunk)))
     if len(set(everyone)) > 1:
         shown = ", ".join(f"rank {r}: tail {t} B, chunk {c} B"
-                          for r, (t, c) in enumerate(everyone))  # type: ignore[misc]
+                          for r, (t, c) in enumerate(everyone))
         raise ValueError(f"overlap_optimizer: the ranks asked for different tails ({shown}); "
                          "pass the same tail_mb and chunk_mb on every rank")
 
