@@ -218,7 +218,7 @@ def _make_variant(
     wrapped = _wrap_variant(name, model)
     opt = OPTIMIZERS[optimizer](model.parameters())
     # each bucket stepped as it lands, the next forward over the tail
-    if "overlap" in name:
+    if name == "gradsync overlap":
         opt = wrapped.overlap_optimizer(opt)  # type: ignore[operator]
     land = getattr(opt, "wait", lambda: None)
     g = torch.Generator().manual_seed(1000 + rank)
