@@ -21,7 +21,6 @@ alone: the place to change the order of the buckets, split them, or act on each 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import functools
 import threading
@@ -73,9 +72,12 @@ class BucketStepper(Protocol):
         """`bucket`'s averages are in `.grad`: step its parameters."""
 
 
-@dataclasses.dataclass(slots=True, eq=False)
 class Flight:
-    """One bucket's reduction in one iteration: what was started, and how it ends."""
+    """One bucket's reduction in one iteration: what was started, and how it ends.
+
+    The defaults live on the class and an instance holds only what its iteration set: one is
+    made per bucket per iteration, and an `__init__` storing seven fields costs more host time
+    than the rest of the bucket's bookkeeping on the default path."""
 
     stage: Stage = Stage.FILLING
     work: dist.Work | None = None
