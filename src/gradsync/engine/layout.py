@@ -74,8 +74,10 @@ def priority_tail(
         if cut:
             head.insert(0, bucket[:cut])
     chunks: list[list[int]] = []
+    kind = [(p.dtype, p.device) for p in params]  # a bucket holds one dtype on one device
     for i in tail:
-        if chunks and sum(nbytes[j] for j in chunks[-1]) + nbytes[i] <= chunk_bytes:
+        if (chunks and kind[chunks[-1][0]] == kind[i]
+                and sum(nbytes[j] for j in chunks[-1]) + nbytes[i] <= chunk_bytes):
             chunks[-1].append(i)
         else:
             chunks.append([i])
