@@ -5,7 +5,9 @@ groups: parameters and optimizer state equal bit for bit at 2 ranks; and what it
 from __future__ import annotations
 
 import contextlib
+import datetime
 import io
+import time
 
 import pytest
 import torch
@@ -155,6 +157,12 @@ def test_add_param_group_steps_the_new_group():
 # ----------------------------------------------------------------------------- refusals
 
 
+def _overlapped_mlp(group):
+    model = seeded(MODELS["mlp"], 0)
+    ddp = GradsyncDDP(model, process_group=group)
+    return model, ddp, ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
 def _refused(body, match):
     with pytest.raises(RankError, match=match):
         run_threaded(body, 2, timeout=60)
@@ -162,9 +170,7 @@ def _refused(body, match):
 
 def test_a_second_synchronised_backward_without_step_is_refused_naming_no_sync():
     def body(rank, group):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = GradsyncDDP(model, process_group=group)
-        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model, ddp, opt = _overlapped_mlp(group)
         for _ in range(2):
             ddp(torch.randn(4, 8)).sum().backward()
         opt.step()
@@ -175,9 +181,7 @@ def test_a_second_synchronised_backward_without_step_is_refused_naming_no_sync()
 
 def test_clipping_after_backward_is_refused_at_step():
     def body(rank, group):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = GradsyncDDP(model, process_group=group)
-        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model, ddp, opt = _overlapped_mlp(group)
         ddp(torch.randn(4, 8)).sum().backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         opt.step()
@@ -187,9 +191,7 @@ def test_clipping_after_backward_is_refused_at_step():
 
 def test_a_grad_scaler_is_refused_at_its_step():
     def body(rank, group):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = GradsyncDDP(model, process_group=group)
-        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model, ddp, opt = _overlapped_mlp(group)
         scaler = torch.amp.GradScaler("cpu")
         scaler.scale(ddp(torch.randn(4, 8)).sum()).backward()
         scaler.step(opt)
@@ -212,9 +214,7 @@ def test_optimizers_that_cannot_step_per_bucket_are_refused(make, match):
 
 def test_sharded_gradients_and_a_closure_are_refused():
     def body(rank, group):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = GradsyncDDP(model, process_group=group)
-        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        model, ddp, opt = _overlapped_mlp(group)
         with pytest.raises(ValueError, match="closure"):
             opt.step(lambda: 0.0)
         with pytest.raises(RuntimeError, match="overlap_optimizer"):
@@ -439,3 +439,26 @@ def test_the_trace_shows_each_buckets_step_and_the_forward_on_tracks_of_their_ow
         # one bucket in the first iteration, eight after the rebuild in ready order
         assert len(steps) == 1 + 8 + 8 and all(n.startswith("step bucket") for n in steps)
         assert forwards == ["forward 1", "forward 2", "forward 3"]
+
+
+def test_a_bucket_that_never_lands_raises_within_the_timeout_instead_of_waiting_forever():
+    """Rank 1 never runs the second backward: rank 0's buckets wait for it while landing (in
+    opt.wait(), as in the next forward) and raise after the configured timeout."""
+    def body(rank, group):
+        model, ddp, opt = _overlapped_mlp(group)
+        for _ in range(3):  # past the rebuild in ready order, a collective of its own
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+        opt.wait()
+        ddp.reducer.configure(timeout=datetime.timedelta(seconds=2))
+        if rank == 1:
+            return None
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        start = time.monotonic()
+        with pytest.raises(gradsync.ReductionTimeoutError, match="did not complete within"):
+            opt.wait()
+        return time.monotonic() - start
+
+    took, _ = run_threaded(body, 2, timeout=60)
+    assert took < 30

@@ -75,12 +75,14 @@ def priority_tail(
             head.insert(0, bucket[:cut])
     chunks: list[list[int]] = []
     kind = [(p.dtype, p.device) for p in params]  # a bucket holds one dtype on one device
+    filled = 0  # bytes in the last chunk
     for i in tail:
-        if (chunks and kind[chunks[-1][0]] == kind[i]
-                and sum(nbytes[j] for j in chunks[-1]) + nbytes[i] <= chunk_bytes):
+        if chunks and kind[chunks[-1][0]] == kind[i] and filled + nbytes[i] <= chunk_bytes:
             chunks[-1].append(i)
+            filled += nbytes[i]
         else:
             chunks.append([i])
+            filled = nbytes[i]
     order = list(range(len(head))) + list(range(len(head) + len(chunks) - 1, len(head) - 1, -1))
     return head + chunks, order
 
