@@ -165,11 +165,11 @@ class Reductions:
 
     def reports_in_tail(self) -> bool:
         """Whether this rank's report rides after the last bucket's gradients in its
-        all-reduce (free), the last started. Not with a hook (a tiny all-reduce of its own,
-        after every bucket),
-        nor read back deferred (in int64, never saturated, no follow-up collective), nor under
-        mixed precision (more elements would change how gloo sums a bucket in its own dtype,
-        and torch's hook sends the gradients alone)."""
+        all-reduce (free), when that bucket is the last started. Not with a hook (a tiny
+        all-reduce of its own, after every bucket), nor read back deferred (in int64, never
+        saturated, no follow-up collective), nor under mixed precision (more elements would
+        change how gloo sums a bucket in its own dtype, and torch's hook sends the gradients
+        alone), nor with the tail sent first (`layout.priority_tail`)."""
         s = self.settings
         return (s.comm_hook is None and not s.divides_after_sum and not s.defer
                 and self.buckets[-1].has_tail and self._starts[-1] == len(self.buckets) - 1)
