@@ -10,7 +10,8 @@ row per rate and size: wall time and CPU time per all-reduce, every core togethe
 
 Why: overlap hides an all-reduce's wall time, not the CPU it takes from compute. On this machine
 every host's network stack shares the cores that compute, and a slower link costs more CPU per
-byte (the README's "How CPU-bound each step is" has the figures).
+byte (the figures: docs/benchmarks/2026-12-03-comm-cpu-by-rate.md and, with 256 KiB packets,
+docs/benchmarks/2026-12-04-comm-cpu-bigtcp.md).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ Variants: `torch` (torch's DDP), `plain` (no communication), a number (gradsync 
 in reverse parameter order, the last size repeated) and `minimal` (a reference with the least
 Python a bucketed all-reduce can have: one multiply per hook, all-reduces launched in order,
 a batched write-back per bucket, no checks; on the layout of the first gradsync variant). What
-it showed is in the README's "On an emulated cluster".
+it showed: docs/benchmarks/2026-12-03-cluster-timeline.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ drawn on one time axis: the forward and backward of iteration k, each bucket's a
 or in the next forward where its parameters are first used), and the forward of iteration
 k+1 starting before the last bucket of k has landed.
 
-    python benchmarks/overlap_timeline.py --out docs/benchmarks/overlap-timeline.png
+    python benchmarks/overlap_timeline.py   # writes out/overlap-timeline.png (--out to change)
 
 Needs root (the cluster) and matplotlib.
 """

@@ -1,6 +1,6 @@
 """Check `gradsync simulate` against real runs at 2, 3 and 4 ranks on this machine.
 
-    python benchmarks/validate_simulator.py            # writes docs/simulator/validation.md
+    python benchmarks/validate_simulator.py            # writes out/simulator/validation.md
 
 For each world size a torchrun job (gloo on 127.0.0.1) trains each model with gradsync's default
 layout and records its timing profile (`gradsync.planning.simulate.timing_profile`, every rank's,
@@ -27,7 +27,7 @@ gloo's collectives on those cores (`Host(cpu_collectives=True)`).
 
 Network mode, on the emulated cluster (`gradsync.tools.cluster`; needs root):
 
-    python benchmarks/validate_simulator.py --cluster  # writes docs/simulator/cluster/validation.md
+    python benchmarks/validate_simulator.py --cluster  # writes out/simulator-cluster/validation.md
 
 One rank per host, gloo over tbf-shaped links. The reference case, 2 hosts at 2gbit, records each
 model's profile, idle probe (`Network.from_cost(cost, ranks=2)`) and contention (how much an
@@ -398,8 +398,9 @@ def main(argv: list[str] | None = None) -> None:
         "--out",
         default=None,
         help=(
-            "folder for validation.md and .json (default docs/simulator, "
-            "--cluster docs/simulator/cluster)"
+            "folder for validation.md and .json (default out/simulator, --cluster "
+            "out/simulator-cluster; a run kept goes to docs/benchmarks/data/DATE-NAME, with "
+            "its page docs/benchmarks/DATE-NAME.md)"
         ),
     )
     ap.add_argument(
@@ -418,9 +419,9 @@ def main(argv: list[str] | None = None) -> None:
         data = json.loads(Path(args.from_json).read_text())
         args.cluster = isinstance(data, dict) and data.get("mode") == "cluster"
     defaults = (
-        (CLUSTER_MODELS, CLUSTER_STEPS, CLUSTER_ROUNDS, CLUSTER_REPEAT, "docs/simulator/cluster")
+        (CLUSTER_MODELS, CLUSTER_STEPS, CLUSTER_ROUNDS, CLUSTER_REPEAT, "out/simulator-cluster")
         if args.cluster
-        else (LOOPBACK_MODELS, 12, 4, 3, "docs/simulator")
+        else (LOOPBACK_MODELS, 12, 4, 3, "out/simulator")
     )
     for field, value in zip(("models", "steps", "rounds", "repeat", "out"), defaults):
         if getattr(args, field) is None:

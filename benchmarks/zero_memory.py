@@ -2,7 +2,9 @@
 torch's DDP with AdamW, torch's ZeroRedundancyOptimizer and FSDP2 (`fully_shard`, on CPU, gloo).
 
     python benchmarks/zero_memory.py                      # world sizes 2 and 3, ~2 minutes
-    python benchmarks/zero_memory.py --world 2 --out docs/zero
+    python benchmarks/zero_memory.py --world 2 --out docs/benchmarks/data/DATE-zero-memory
+
+(a run kept goes to docs/benchmarks/data/DATE-NAME, with its page docs/benchmarks/DATE-NAME.md)
 
 Each variant runs in a torchrun job of its own (so each process's peak is its own): a stack of
 Linear(1024, 1024) layers (64 MiB of float32 parameters), AdamW, 3 steps on a small batch. Every

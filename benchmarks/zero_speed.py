@@ -5,7 +5,9 @@ parameter all-gathers overlapped with the next forward.
 
     python benchmarks/zero_speed.py                          # loopback, 2 ranks, ~4 minutes
     python benchmarks/zero_speed.py --hosts 2 --link 2gbit   # the emulated cluster (root)
-    python benchmarks/zero_speed.py --out docs/zero/speed-loopback
+    python benchmarks/zero_speed.py --out docs/benchmarks/data/DATE-zero-speed-loopback
+
+(a run kept goes to docs/benchmarks/data/DATE-NAME, with its page docs/benchmarks/DATE-NAME.md)
 
 Variants interleaved round by round (`gradsync.tools.bench`), paired ratios to torch's DDP, and
 every variant's parameters compared with torch DDP + AdamW's at the end (same seed, same data).

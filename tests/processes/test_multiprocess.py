@@ -239,7 +239,8 @@ def test_committed_simulator_validation_reports_again(tmp_path):
     import sys
 
     committed = os.path.join(
-        os.path.dirname(VALIDATE), "..", "docs", "simulator", "validation.json"
+        os.path.dirname(VALIDATE), "..", "docs", "benchmarks", "data",
+        "2026-11-30-simulator-loopback", "validation.json",
     )
     single = tmp_path / "single.json"
     # one repeat, the old format

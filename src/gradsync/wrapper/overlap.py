@@ -43,7 +43,7 @@ from ..engine.reducer import Reducer
 __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_TAIL_MB", "OverlappedOptimizer", "agree_on_tail",
            "tail_bytes"]
 
-# Measured on the emulated cluster (docs/benchmarks/overlap-optimizer.md).
+# Measured on the emulated cluster (docs/benchmarks/2026-12-06-overlap-optimizer.md).
 DEFAULT_TAIL_MB = 4.0
 DEFAULT_CHUNK_MB = 1.0
 
