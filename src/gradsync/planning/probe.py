@@ -24,10 +24,11 @@ import torch.distributed as dist
 from .planner import probe_cost_model, probe_sizes, probe_under_load
 from .simulate import Network
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """`gradsync probe`'s options (the CLI reference in the docs is generated from this)."""
     p = argparse.ArgumentParser(prog="gradsync probe", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="out/probes", help="folder for load-N.json and idle-N.json")
@@ -35,6 +36,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="largest message probed, in MiB: your model's gradient size (default 64)")
     p.add_argument("--threads", type=int, default=None,
                    help="intra-op threads per rank, as in training (default: torch's default)")
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.gradient_mib <= 0 or (args.threads is not None and args.threads < 1):
         p.error(

@@ -41,7 +41,7 @@ from ..planning.planner import measure_comm_cpu, probe_cost_model, probe_sizes
 from ..wrapper.ddp import DistributedDataParallel
 from .bench import Comparison, interleave, markdown_table, mismatched, timed
 
-__all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "main", "mismatched"]
+__all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "build_parser", "main", "mismatched"]
 
 VARIANTS = (
     "torch DDP",
@@ -411,9 +411,10 @@ gpt_compiled (torch.compile of a 4-layer GPT-2-shape model, 8 x 512 tokens); --t
 --model MODULE:FUNCTION (or path/to/file.py:FUNCTION): FUNCTION() returns (model, batch) or
 (model, batch, loss_fn). It is called once per rank with torch's seed set to 0; the model and
 the batch are moved to the rank's device; every variant trains a copy of the model on the batch.
-The batch is a tensor (model(batch)), a tuple or list (model(*batch)) or a dict
-(model(**batch)). loss_fn(output, batch) returns the scalar to backpropagate; without it the
-loss is output.float().pow(2).mean() (of the first tensor of a tuple, list or dict output).
+The batch is a tensor (passed as is), a tuple or list (unpacked as positional arguments) or a
+dict (unpacked as keywords). loss_fn(output, batch) returns the scalar to backpropagate;
+without it the loss is output.float().pow(2).mean() (of the first tensor of a tuple, list or
+dict output).
 MODULE is imported from the current folder or the Python path.
 """
 
@@ -423,10 +424,17 @@ def device_path(args: argparse.Namespace) -> bool:
     return args.device is not None
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """`gradsync bench`'s options (the CLI reference in the docs is generated from this)."""
+    from .devicebench import DEVICE_MODELS, DEVICE_VARIANTS, OPTIONAL_VARIANTS
+
+    return _parser(DEVICE_MODELS, DEVICE_VARIANTS + OPTIONAL_VARIANTS)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from .devicebench import DEVICE_MODELS, DEVICE_VARIANTS, OPTIONAL_VARIANTS
 
-    p = _parser(DEVICE_MODELS, DEVICE_VARIANTS + OPTIONAL_VARIANTS)
+    p = build_parser()
     args = p.parse_args(argv)
     if args.model is not None and args.device is None:
         args.device = "cpu"

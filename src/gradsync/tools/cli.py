@@ -13,7 +13,7 @@ import importlib
 import importlib.metadata
 import sys
 
-__all__ = ["main"]
+__all__ = ["build_parser", "main"]
 
 
 def _run_on_ranks(args: argparse.Namespace, rest: list[str]) -> int:
@@ -107,12 +107,19 @@ _ON_RANKS_HELP = {
 }
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The `gradsync` command and its subcommands; demo, bench and probe hand their own options
+    to the job's parser (`build_parser` in its module). The docs' CLI reference comes from these."""
     parser = argparse.ArgumentParser(prog="gradsync", description="gradsync command line")
     parser.add_argument("--version", action="version", version=f"gradsync {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_on_ranks_commands(sub)
     _add_simulate_command(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if args.command in _ON_RANKS:
         return _run_on_ranks(args, rest)

@@ -26,7 +26,7 @@ from torch import nn
 
 from ..wrapper.ddp import DistributedDataParallel
 
-__all__ = ["load_data", "main", "make_model", "parse_args"]
+__all__ = ["build_parser", "load_data", "main", "make_model", "parse_args"]
 
 ACCURACY_TARGET = 0.95
 HOOKS = ("none", "fp16", "bf16")
@@ -61,7 +61,8 @@ def global_batches(n: int, batch: int, world: int, epoch: int, seed: int) -> lis
     return [order[i : i + size] for i in range(0, n - size + 1, size)]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """`gradsync demo`'s options (the CLI reference in the docs is generated from this)."""
     p = argparse.ArgumentParser(
         prog="gradsync demo",
         description=__doc__,
@@ -87,6 +88,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--out", default="out/demo", help="folder for the PNG and trace (default out/demo)"
     )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     _check(p, args)
     return args
