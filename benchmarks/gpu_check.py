@@ -8,7 +8,8 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
 
 (A) NCCL at world size 1: construction with the defaults; the step path under
     torch.cuda.set_sync_debug_mode("error") (defaults, find_unused_parameters, the accumulation
-    check on, ZeRO-2 stepping after backward, inside it and with overlapped gathers, ZeRO-1);
+    check on, ZeRO-2 stepping after backward, inside it and with overlapped gathers, ZeRO-1,
+    the overlapped optimizer stepping each bucket as it lands);
     a hook whose `.then` finishes late on a stream of its own; gradients produced on a side
     stream; the event-timed timeline against the step's device time and host enqueue
     times; the stall watchdog with a slowed bucket; 256 one-parameter buckets with a hook;
@@ -20,8 +21,9 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
     between rank threads of one process, torch's DDP too), gloo on CUDA tensors: parity with
     torch's DDP, both wrappers trained in the same processes one after the other, for the
     defaults, bucket views, mixed precision, the fp16 hook, PowerSGD, find_unused_parameters,
-    static graph, no_sync, BatchNorm buffers and ZeRO-2 (sharded gradients, stepped after
-    backward and inside it, against plain SGD). Each case fails alone (its own groups, errors
+    static graph, no_sync, BatchNorm buffers, ZeRO-2 (sharded gradients, stepped after
+    backward and inside it, against plain SGD) and `overlap_optimizer` (each bucket stepped as it
+    lands, against torch's DDP and the same SGD stepped after backward). Each case fails alone (its own groups, errors
     caught per case); mixed precision trains torch's twice (is it deterministic?), gradsync's,
     and a one-process reference with torch's arithmetic, and reports every pairwise difference.
 
@@ -186,9 +188,11 @@ def no_host_sync(group: dist.ProcessGroup, device: torch.device) -> Any:
     return figures
 
 
-# (name, wrapper keywords, NaN check, ZeroRedundancyOptimizer keywords or None for plain SGD)
+# (name, wrapper keywords, NaN check, the optimizer: ZeroRedundancyOptimizer keywords, OVERLAP
+# for plain SGD stepped per bucket as each lands, or None for plain SGD)
 SMALL = {"bucket_cap_mb": 0.01}  # two buckets: a gather waited for by forward, one in flight
-SYNC_FREE: list[tuple[str, dict, bool, dict | None]] = [
+OVERLAP = "overlap"
+SYNC_FREE: list[tuple[str, dict, bool, dict | str | None]] = [
     ("defaults", {}, False, None),
     ("find_unused_parameters", {"find_unused_parameters": True}, False, None),
     ("NaN check (read back deferred)", {}, True, None),
@@ -201,14 +205,20 @@ SYNC_FREE: list[tuple[str, dict, bool, dict | None]] = [
     ),
     ("ZeRO-2 gathers overlapped with forward", SMALL, False, {"overlap_param_gather": True}),
     ("ZeRO-1 over the wrapper", SMALL, False, {"shard_gradients": False}),
+    ("overlap_optimizer: each bucket stepped as it lands, the rest in the next forward", SMALL,
+     False, OVERLAP),
 ]
 
 
 def _sync_free_setup(group: dist.ProcessGroup, device: torch.device, kwargs: dict, finite: bool,
-                     zero: dict | None) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
+                     zero: dict | str | None,
+                     ) -> tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]:
     model = Branchy().to(device)
     ddp = gradsync.DistributedDataParallel(model, process_group=group, **kwargs)
     ddp.reducer.configure(check_accumulation=True, check_finite=finite)
+    if zero == OVERLAP:
+        plain = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        return ddp, ddp.overlap_optimizer(plain), torch.randn(16, 32, device=device)
     opt = (
         torch.optim.SGD(model.parameters(), lr=0.01)
         if zero is None
@@ -467,6 +477,8 @@ PARITY = {
     "BatchNorm buffers": {"broadcast_buffers": True},
     "ZeRO-2 (sharded gradients, SGD momentum)": {"zero": True},
     "ZeRO-2 stepping inside backward (overlap_with_ddp)": {"zero": True, "inside": True},
+    # each bucket stepped as it lands, against torch's DDP + the same SGD after backward
+    "overlap_optimizer (SGD momentum, small buckets)": {"overlap": True, "bucket_cap_mb": 0.01},
 }
 B_STEPS, B_LR, B_MOMENTUM = 5, 0.05, 0.9
 COLLECTIVE_TIMEOUT = 30.0  # s, each case's groups: a case that hangs fails alone
@@ -503,6 +515,7 @@ def _train(
     )
     # torch's side: plain SGD
     zero = spec.pop("zero", False) and cls is gradsync.DistributedDataParallel
+    overlap = spec.pop("overlap", False) and cls is gradsync.DistributedDataParallel
     inside, warm_up = spec.pop("inside", False), spec.pop("warm_up", False)
     model = seeded(Branchy, 0).to(device)
     if mixed:  # torch's DDP policy, taken by both (torch's needs device events: CUDA only)
@@ -542,6 +555,8 @@ def _train(
         if zero
         else torch.optim.SGD(model.parameters(), lr=B_LR, momentum=B_MOMENTUM)
     )
+    if overlap:
+        opt = ddp.overlap_optimizer(opt)
     gen = torch.Generator().manual_seed(rank)
     for step in range(B_STEPS):
         opt.zero_grad(set_to_none=True)
@@ -553,6 +568,8 @@ def _train(
                 kwargs = {"use_b": step % 2 == 0} if branch else {}
                 ddp(x, **kwargs).float().pow(2).mean().backward()
         opt.step()
+    if overlap:
+        opt.wait()  # the last buckets land in the next forward, or here
     if device.type == "cuda":
         torch.cuda.synchronize()
     params = [p.detach().float().cpu() for p in model.parameters()]

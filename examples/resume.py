@@ -10,7 +10,8 @@ on from its step, with data chosen by step number, so the final parameters are e
 an uninterrupted run. `--kill-at STEP` makes rank 1 SIGKILL itself at that step on the first
 attempt, to try it. `--powersgd` reduces gradients with torch's PowerSGD hook, whose error
 feedback and low-rank memories are part of gradsync's state: without them the resumed run
-would drift from the uninterrupted one.
+would drift from the uninterrupted one. `--overlap` steps each bucket as it lands
+(`ddp.overlap_optimizer`): its checkpoint is the plain optimizer's, read after `opt.wait()`.
 """
 
 import argparse
@@ -38,6 +39,7 @@ def main() -> None:
                    "only when no checkpoint is there yet to resume from)")
     p.add_argument("--out", default="out/resume/final.pt")
     p.add_argument("--powersgd", action="store_true", help="use torch's PowerSGD hook")
+    p.add_argument("--overlap", action="store_true", help="step each bucket as it lands")
     args = p.parse_args()
 
     gradsync.init_process_group("gloo")  # torch's, with restart attempts kept apart
@@ -50,6 +52,8 @@ def main() -> None:
                                             start_powerSGD_iter=3, random_seed=0)
         ddp.register_comm_hook(hook_state, powerSGD.powerSGD_hook)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if args.overlap:  # loads and saves the plain optimizer's state dict
+        opt = ddp.overlap_optimizer(opt)
     start = 0
     if os.path.exists(args.checkpoint):
         state = torch.load(args.checkpoint, weights_only=False)
@@ -68,6 +72,8 @@ def main() -> None:
         torch.nn.functional.mse_loss(ddp(x), x).backward()
         opt.step()
         if (step + 1) % args.every == 0:
+            if args.overlap:  # the last buckets land in the next forward: land them now
+                opt.wait()
             per_rank: list = [None] * dist.get_world_size()
             dist.all_gather_object(per_rank, ddp.gradsync_state())
             if rank == 0:
@@ -77,11 +83,13 @@ def main() -> None:
                 torch.save(state, args.checkpoint + ".tmp")
                 os.replace(args.checkpoint + ".tmp", args.checkpoint)
             dist.barrier()
+    if args.overlap:
+        opt.wait()
     if rank == 0:
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         torch.save(model.state_dict(), args.out)
         print(f"rank 0: finished {args.steps} steps, parameters in {args.out}", flush=True)
-    del ddp
+    del ddp, opt
     dist.barrier()
     dist.destroy_process_group()
 

@@ -178,21 +178,47 @@ def _children(pid):
     return _descendants(pid)
 
 
+RESUME = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "resume.py")
+
+
 @pytest.mark.timeout(400)
 def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like_an_uninterrupted_run(  # noqa: E501
     tmp_path,
 ):
     import torch
 
-    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "resume.py")
     # PowerSGD: its error feedback is state that must survive the restart too.
-    common = ["--steps", "20", "--every", "5", "--powersgd"]
-    clean = run_torchrun(example, 2, [*common, "--checkpoint", str(tmp_path / "a.pt"),
+    a, b = _clean_and_restarted(tmp_path, ["--steps", "20", "--every", "5", "--powersgd"])
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.timeout(400)
+def test_the_overlapped_optimizer_resumes_in_a_new_torchrun_job_exactly(tmp_path):
+    import torch
+
+    # Each bucket stepped as it lands; its checkpoint is the plain optimizer's state dict.
+    a, b = _clean_and_restarted(tmp_path, ["--steps", "20", "--every", "5", "--overlap"])
+    plain = run_torchrun(RESUME, 2, ["--steps", "20", "--checkpoint", str(tmp_path / "c.pt"),
+                                     "--out", str(tmp_path / "plain.pt")], timeout=120)
+    assert plain.returncode == 0, plain.stdout
+    c = torch.load(tmp_path / "plain.pt")  # the same SGD stepped after backward
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+        assert torch.equal(a[name], c[name]), name
+
+
+def _clean_and_restarted(tmp_path, common):
+    """examples/resume.py run through, and run with rank 1 killed at step 12 and restarted by
+    torchrun from the checkpoint of step 10: both final parameters."""
+    import torch
+
+    clean = run_torchrun(RESUME, 2, [*common, "--checkpoint", str(tmp_path / "a.pt"),
                                       "--out", str(tmp_path / "clean.pt")], timeout=120)
     assert clean.returncode == 0, clean.stdout
     # Rank 1 SIGKILLs itself at step 12; torch's launcher stops rank 0 and starts both again.
     restarted = run_torchrun(
-        example, 2,
+        RESUME, 2,
         [*common, "--checkpoint", str(tmp_path / "b.pt"), "--out", str(tmp_path / "resumed.pt"),
          "--kill-at", "12"],
         launcher_args=["--standalone", "--max-restarts", "1"], timeout=200,
@@ -202,9 +228,7 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like
     assert "SIGKILL" in out or "exitcode: -9" in out or "Connection" in out  # the kill happened
     assert "rank 0: resumed at step 10" in out and "rank 1: resumed at step 10" in out, out
     assert "Connection refused" not in out, out  # see gradsync.wrapper.launch
-    a, b = torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "resumed.pt")
-    for name in a:
-        assert torch.equal(a[name], b[name]), f"{name}\n{out}"
+    return torch.load(tmp_path / "clean.pt"), torch.load(tmp_path / "resumed.pt")
 
 
 VALIDATE = os.path.join(

@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsync import DistributedDataParallel, EventKind, Reducer, ReducerConfig
 from gradsync.engine.device import DeviceCalls
+from gradsync.wrapper.overlap import OverlappedOptimizer
 from gradsync.testing import run_threaded, seeded
 
 
@@ -290,3 +291,50 @@ def test_unread_device_timelines_past_the_history_are_dropped_unasked():
         for timeline in history:
             assert timeline.start_ns <= timeline.backward_end_ns <= timeline.finish_ns
             assert timeline.start_ns > 0 and all(t > 0 for t, _, _ in timeline.events)
+
+
+def _count_overlapped_steps(rank, group, layers, steps, device_calls):
+    """`overlap_optimizer`'s path: each bucket stepped as it lands, the rest landing in the next
+    forward (the wrapper's forward runs under `landing_on_use`). Counts per step, parameters."""
+    model = seeded(lambda: _model(layers), 0)
+    params = list(model.parameters())
+    calls = CountingCalls() if device_calls else None
+    config = ReducerConfig(rebuild_bucket_size_limits=None, time_gradients_every=64)
+    reducer = Reducer(params, _bucketed(params, 4), group, config=config, device_calls=calls)
+    opt = OverlappedOptimizer(reducer, torch.optim.SGD(params, lr=0.01, momentum=0.9))
+    x = torch.full((4, 16), float(rank + 1))
+    per_step = []
+    for _ in range(steps):
+        before = Counter(calls.counts if calls else {})
+        reducer.prepare_for_forward()
+        with reducer.landing_on_use():
+            out = model(x)
+        reducer.prepare_for_backward(out)
+        out.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        per_step.append(Counter(calls.counts if calls else {}) - before)
+    opt.wait()
+    return per_step, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.timeout(120)
+def test_the_overlapped_optimizer_makes_no_device_call_per_gradient_and_never_waits_on_the_host():
+    # Each bucket's write-back and step are queued on the stream after its collective: no
+    # event synchronised, nothing per gradient, and the parameters of the host path.
+    counts = {}
+    for layers in (8, 16, 32):
+        per_step, params = run_threaded(_count_overlapped_steps, 2, layers, 6, True, timeout=60)[0]
+        steady = per_step[2:]
+        assert all(s == steady[0] for s in steady), steady
+        counts[layers] = steady[0]
+        assert steady[0]["synchronize"] == 0, steady[0]
+        if layers == 8:
+            host = run_threaded(_count_overlapped_steps, 2, layers, 6, False, timeout=60)[0][1]
+            for name, want in host.items():
+                torch.testing.assert_close(params[name], want, rtol=0, atol=0)
+    assert counts[8] == counts[16] == counts[32], counts
+    # As without the optimizer, and per bucket two more: its write-back and step, timed (the
+    # trace's "write-back and step" track).
+    assert counts[8]["record"] == 4 + 3 * 4 + 2 * 4, counts[8]
+    assert counts[8]["query"] == counts[8]["elapsed_time"] == 0, counts[8]  # nothing read back

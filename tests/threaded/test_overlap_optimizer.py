@@ -199,6 +199,32 @@ def test_a_grad_scaler_is_refused_at_its_step():
     _refused(body, "GradScaler needs every gradient unscaled")
 
 
+@pytest.mark.parametrize("refused", ["grad_scaler", "clipping"])
+def test_a_refusal_at_the_first_step_comes_before_any_parameter_moved(refused):
+    # Every bucket landed before step() (opt.wait()): none is stepped before step()'s checks,
+    # so a GradScaler (whose inf check needs every gradient) or a clipping steps nothing.
+    def body(rank, group):
+        model, ddp, opt = _overlapped_mlp(group)
+        before = [p.detach().clone() for p in model.parameters()]
+        steps = []
+        plain_step = opt.optimizer.step
+        opt.optimizer.step = lambda *a, **k: steps.append(1) or plain_step(*a, **k)
+        scaler = torch.amp.GradScaler("cpu")
+        loss = ddp(torch.randn(4, 8)).sum()
+        (scaler.scale(loss) if refused == "grad_scaler" else loss).backward()
+        opt.wait()  # every bucket landed: at the first step, none stepped yet
+        with pytest.raises(RuntimeError, match="GradScaler|clip_grad_norm_"):
+            if refused == "grad_scaler":
+                scaler.step(opt)
+            else:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+                opt.step()
+        return steps, all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+    for steps, unmoved in run_threaded(body, 2, timeout=60):
+        assert steps == [] and unmoved
+
+
 @pytest.mark.parametrize("make, match", [
     (lambda ps: torch.optim.LBFGS(ps), "LBFGS"),
     (lambda ps: [torch.optim.SGD(ps, lr=0.1)], "expected a torch.optim.Optimizer, got list"),

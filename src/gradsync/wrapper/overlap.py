@@ -20,7 +20,9 @@ differs, and is refused rather than silently wrong:
 - Between backward and the next forward the parameters and `.grad` may still be landing: read
   them after `opt.wait()` (an EMA, a logged norm). A gradient changed before `step()` (torch's
   `clip_grad_norm_`, `GradScaler.unscale_`) comes too late for a step decided by the reduced
-  values: `step()` or the landing raises. `torch.amp.GradScaler` is refused at its `step`.
+  values: `step()` or the landing raises. `torch.amp.GradScaler` is refused at its `step`,
+  before any parameter has moved: until the first `step()` no bucket is stepped on landing,
+  the landed ones wait for `step()` and its checks (the first iteration overlaps less).
   Gradients cleared or zeroed after `step()` (`zero_grad`, the module's too) are cleared or
   zeroed again once the bucket still landing has been stepped.
 - The wrapper's `state_dict()`, `no_sync()`, `join()`, a forward that will not synchronise
@@ -75,6 +77,9 @@ class OverlappedOptimizer(Optimizer):
         self._acknowledged: int | None = None  # the iteration `step()` was last called after
         self._steps: set[int] = set()  # every iteration `step()` was called after (recent ones)
         self._stepped: list[_Held] = []  # stepped before `step()`: unchanged until it?
+        # Landed before the first `step()`, which steps them after its checks: a GradScaler's
+        # or a clipping's refusal then comes before any parameter has moved.
+        self._deferred: list[list[list[torch.Tensor]]] = []
         self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
         self._resets: dict[int, list[tuple[torch.Tensor, bool]]] = {}  # cleared since step()
         self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
@@ -119,6 +124,7 @@ class OverlappedOptimizer(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.wait()
         self.optimizer.add_param_group(param_group)
+        self._deferred = [subsets + [[]] for subsets in self._deferred]  # none in the new group
         self._rest = self._outside_buckets()
         self._subsets.clear()
 
@@ -139,6 +145,9 @@ class OverlappedOptimizer(Optimizer):
                 is not None:
             raise RuntimeError(_GRAD_SCALER)
         self._check_unchanged(self._stepped + [h for held in self._pending.values() for h in held])
+        for subsets in self._deferred:
+            self._with_groups(subsets, self.optimizer.step)
+        self._deferred = []
         if any(self._rest):
             self._with_groups(self._rest, self.optimizer.step)
         self._settings = [{k: v for k, v in g.items() if k != "params"}
@@ -189,7 +198,10 @@ class OverlappedOptimizer(Optimizer):
         self._begin(number)
         subsets = self._subsets_of(bucket)
         after_step = self._acknowledged == number
-        self._with_groups(subsets, self.optimizer.step, self._settings if after_step else None)
+        if self._acknowledged is None:  # before the first `step()`: stepped by it
+            self._deferred.append(subsets)
+        else:
+            self._with_groups(subsets, self.optimizer.step, self._settings if after_step else None)
         zero = self._zero_after.pop(bucket.index, None)
         clear = [] if zero is None else [(p, zero) for group in subsets for p in group]
         for param, to_none in self._resets.pop(bucket.index, []) + clear:
@@ -211,7 +223,7 @@ class OverlappedOptimizer(Optimizer):
         if self._iteration is not None and self._iteration not in self._steps:
             raise RuntimeError(_ACCUMULATED)
         self._steps = {n for n in self._steps if n >= (number or 0)}
-        self._iteration, self._stepped = number, []
+        self._iteration, self._stepped, self._deferred = number, [], []
         # what an iteration dropped before all its buckets landed (an error) left behind
         self._pending, self._versions, self._resets, self._zero_after = {}, {}, {}, {}
 
