@@ -488,3 +488,47 @@ def test_a_bucket_that_never_lands_raises_within_the_timeout_instead_of_waiting_
 
     took, _ = run_threaded(body, 2, timeout=60)
     assert took < 30
+
+
+PLANNED_STEPS = 48  # the layout decided by iteration 26, the tail by 41 (short trials)
+
+
+def _planned_tail(rank, group):
+    from gradsync.planning.planner import CostModel
+
+    model = seeded(MODELS["many_small"], 0)
+    ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb="auto")
+    auto = ddp._auto
+    auto.rounds, auto.per_slot, auto.confirm_rounds = 2, 1, 2
+    auto.saturated, auto.cost = False, CostModel(0.0, 1e-9)  # overlap allowed; not probed
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    opt = ddp.overlap_optimizer(OPTIMIZERS["adamw"](model.parameters(), None),
+                                tail_mb=total / 2 / 2**20, chunk_mb=total / 8 / 2**20)
+    tails = []
+    for batch in make_batches(PLANNED_STEPS, 2, per_rank=4):
+        ddp(batch.chunk(2)[rank]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        tails.append(ddp.reducer.config.priority_tail_bytes)
+    opt.wait()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return (params, opt.state_dict()), ddp.bucket_plan(), tails, total
+
+
+def test_the_planner_tries_tails_once_the_layout_is_decided_alike_on_every_rank():
+    # bucket_cap_mb="auto" with the overlapped optimizer: after the layout's trial, a trial of
+    # tails (the one set, none, half, twice, larger chunks), timed forward to forward; the
+    # winner installed on every rank alike, and the parameters still torch's DDP's.
+    batches = make_batches(PLANNED_STEPS, 2, per_rank=4)
+    ours = run_threaded(_planned_tail, 2, timeout=120)
+    theirs = run_threaded(lambda rank, group: _train(TorchDDP, rank, group, "many_small",
+                                                     batches, "adamw"), 2, timeout=120)
+    (_, plan0, tails0, total), (_, plan1, tails1, _) = ours
+    assert plan0.kept is not None and plan0.tail is not None, str(plan0)
+    assert plan0.tail == plan1.tail and tails0 == tails1
+    assert set(plan0.tail_trial_ratio) == {"no tail", "half the tail", "twice the tail",
+                                           "chunks x4"}, plan0.tail_trial_ratio
+    assert len(set(tails0)) >= 3  # the tails tried in turn: half, none, twice...
+    assert tails0[-1] == plan0.tail[0] and "tail" in str(plan0)
+    for rank, (mine, want) in enumerate(zip(ours, theirs)):
+        _assert_same(mine[0], want, f"rank {rank}")

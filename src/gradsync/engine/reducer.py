@@ -571,16 +571,29 @@ class Reducer:
                                "steps inside backward instead")
         self._reductions.stepper, self._reductions.lazily = stepper, lazily
 
-    def send_tail_first(self, tail_bytes: int, chunk_bytes: int) -> None:
+    @property
+    def lands_lazily(self) -> bool:
+        """Whether backward ends with buckets still reducing, each landing (and stepped) where
+        its parameters are next needed: an optimizer stepped per bucket, lazily, in a
+        configuration that allows it (`Reductions.lands_lazily`)."""
+        return self._reductions.lands_lazily()
+
+    def send_tail_first(self, tail_bytes: int, chunk_bytes: int,
+                        layout: Sequence[Sequence[int]] | None = None) -> None:
         """From now on send the last `tail_bytes` of gradients in ready order nearest the input
         first, in buckets of at most `chunk_bytes` (`ReducerConfig.priority_tail_bytes`); the
-        layout in place is cut so at once. Between iterations; every rank alike."""
+        layout in place is cut so at once, or `layout` is installed cut so (the planner trying
+        tails on one layout: a layout cut once is not cut back). Between iterations; every
+        rank alike."""
         self.land()
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("send_tail_first: an iteration is still being reduced")
         self.config = dataclasses.replace(self.config, priority_tail_bytes=tail_bytes,
                                           chunk_bytes=chunk_bytes)
-        if not self.sharded:
+        if layout is not None:
+            self._bucket_set.check_relayout()
+            self._install(validate_bucket_indices(layout, self.params, self.names))
+        elif not self.sharded:
             self._install(self.bucket_indices)
 
     def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:

@@ -24,7 +24,13 @@
    shrank in the steps that followed; figures in
    docs/benchmarks/design-figures.md#trial-winners-curse), so the keep-or-revert decision is
    never made on the samples that chose the winner.
-4. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
+4. With an optimizer stepped per bucket as each lands (`overlap_optimizer`: buckets land in
+   the next forward, `Reducer.lands_lazily`), a trial times whole steps, from one synchronised
+   forward to the next, since the end of backward no longer waits for the buckets. Once the
+   layout is decided, a second trial of the same form (screen, then confirm) picks how much
+   of the communication tail goes first and in what chunks (`Reducer.send_tail_first`):
+   the tail as set, none, half and twice as much, and chunks four times as large.
+5. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
 Where collectives run is measured before the cost is: on a CPU host (gloo), an all-reduce of the
@@ -42,12 +48,15 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..engine.collectives import all_reduce
+from ..engine.config import ReducerConfig
 from ..engine.reducer import Reducer
 from ..engine.timeline import EventKind, IterationTimeline
 from ..observability.log import log
@@ -112,6 +121,14 @@ class BucketPlan:
     contention: float | None = None
     """The measured share of an all-reduce that competes with compute (0: hides entirely,
     1: takes turns with it; `planner.measure_contention`), None if not measured."""
+    tail: tuple[int, int] | None = None
+    """With buckets landing in the next forward (`overlap_optimizer`): the (tail, chunk)
+    bytes the tail trial chose (`Reducer.send_tail_first`); None: not tried (yet)."""
+    tail_trial_ratio: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each tail candidate's score against the tail as set, as `trial_ratio`."""
+    tail_confirmed_ratio: float | None = None
+    """The tail trial's winner against the tail as set on fresh iterations, as
+    `confirmed_ratio`."""
 
     def __str__(self) -> str:
         if self.kept is None:
@@ -128,6 +145,12 @@ class BucketPlan:
         confirmed = ("" if self.confirmed_ratio is None else
                      f"; the {self.winner} layout confirmed at x{self.confirmed_ratio:.3f} "
                      f"(needed below x{1 - self.needed:.3f})")
+        tails = ", ".join(f"{k} x{v:.3f}" for k, v in self.tail_trial_ratio.items())
+        confirmed_tail = ("" if self.tail_confirmed_ratio is None else
+                          f"; the winner confirmed at x{self.tail_confirmed_ratio:.3f}")
+        tail = ("" if self.tail is None else
+                f"; tail {self.tail[0] / 2**20:.3g} MiB in chunks of {self.tail[1] / 2**20:.3g} "
+                f"MiB (tails against the one set: {tails or '-'}{confirmed_tail})")
         return (
             f"planned {len(self.layout)} buckets (was {len(self.previous_layout)}) at iteration "
             f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
@@ -137,24 +160,27 @@ class BucketPlan:
             f"{'' if self.contention is None else f'contention {self.contention:.2f}, '}"
             f"all-reduce{' under load (saturated CPU host)' if self.saturated else ''} ≈ "
             f"{self.cost.alpha_ms:.3f} ms + {self.cost.beta_ms_per_byte * 2**20:.3f} ms/MiB"
+            f"{tail}"
         )
 
 
 @dataclasses.dataclass
 class _Trial:
-    """Which layout each coming iteration runs (round, name), and the times measured so far."""
+    """Which layout (or tail) each coming iteration runs (round, name), and the times measured
+    so far."""
 
-    layouts: dict[str, list[list[int]]]
+    layouts: dict[str, Any]  # name -> a layout, or a tail trial's (tail, chunk) bytes
     schedule: list[tuple[int, str]]
     samples: dict[tuple[int, str], list[float]]
     confirming: str | None = None  # the screening's winner, now alone against the current layout
     screened: dict[tuple[int, str], float] | None = None  # the screening's agreed slot times
     position: int = 0
     running: int | None = None  # reducer iteration the last scheduled slot started
+    base: list[list[int]] | None = None  # a tail trial: the layout each tail is cut from
 
     @classmethod
     def of(
-        cls, layouts: dict[str, list[list[int]]], rounds: int, per_slot: int, **kw: object
+        cls, layouts: dict[str, Any], rounds: int, per_slot: int, **kw: object
     ) -> _Trial:
         """Every layout `per_slot` iterations a round, the order rotated each round (no
         layout always first)."""
@@ -199,6 +225,7 @@ class AutoBuckets:
         self._trial: _Trial | None = None
         self._baseline_ms: float | None = None
         self._watched_at = 0
+        self._forward_ns = 0  # when the trial last saw a synchronised forward (host clock)
 
     @property
     def decided_by(self) -> int:
@@ -273,6 +300,10 @@ class AutoBuckets:
 
     def _advance_trial(self, reducer: Reducer, trial: _Trial) -> None:
         pos = trial.position
+        # Landing in this forward, the last iteration has used every bucket by now: finish it.
+        reducer.land()
+        now, since = time.perf_counter_ns(), self._forward_ns
+        self._forward_ns = now
         if trial.running is not None:
             finished = reducer.history[-1].iteration if reducer.history else -1
             if finished != trial.running:  # a forward without backward: run the slot again
@@ -280,7 +311,11 @@ class AutoBuckets:
                 return
             switched = pos == 1 or trial.schedule[pos - 2][1] != trial.schedule[pos - 1][1]
             if not switched or self.per_slot == 1:  # the first after a switch paid for it
-                trial.samples[trial.schedule[pos - 1]].append(_total_ms(reducer.history[-1]))
+                # Buckets landing in the next forward: the step, forward to forward, is what
+                # a layout or a tail changes; otherwise until the last bucket is written back.
+                ms = ((now - since) * 1e-6 if reducer.lands_lazily
+                      else _total_ms(reducer.history[-1]))
+                trial.samples[trial.schedule[pos - 1]].append(ms)
         if pos == len(trial.schedule):
             if trial.confirming is None:
                 self._screened(reducer, trial)
@@ -288,7 +323,7 @@ class AutoBuckets:
                 self._decide(reducer, trial)
             return
         if pos == 0 or trial.schedule[pos][1] != trial.schedule[pos - 1][1]:
-            reducer.install_layout(trial.layouts[trial.schedule[pos][1]])
+            _apply(reducer, trial, trial.schedule[pos][1])
         trial.position = pos + 1
         trial.running = reducer.iteration + 1  # the iteration this forward prepares
 
@@ -303,21 +338,25 @@ class AutoBuckets:
         }
         winner = screen_layouts(scores, self.margin)
         assert self.plan is not None
-        self.plan = dataclasses.replace(
-            self.plan,
-            trial_ms=_medians(slots, list(trial.layouts)),
-            trial_ratio=scores,
-            winner=None if winner == CURRENT else winner,
-        )
+        if trial.base is not None:
+            self.plan = dataclasses.replace(self.plan, tail_trial_ratio=scores)
+        else:
+            self.plan = dataclasses.replace(
+                self.plan,
+                trial_ms=_medians(slots, list(trial.layouts)),
+                trial_ratio=scores,
+                winner=None if winner == CURRENT else winner,
+            )
         if winner == CURRENT:
             self._decide(reducer, dataclasses.replace(trial, screened=slots))
             return
         layouts = {CURRENT: trial.layouts[CURRENT], winner: trial.layouts[winner]}
         self._trial = _Trial.of(
-            layouts, self.confirm_rounds, self.per_slot, confirming=winner, screened=slots
+            layouts, self.confirm_rounds, self.per_slot, confirming=winner, screened=slots,
+            base=trial.base,
         )
-        log.info("rank %d: confirming the %s layout (x%.3f in the trial) against the current one",
-                 reducer.rank, winner, scores[winner])
+        log.info("rank %d: confirming the %s %s (x%.3f in the trial) against the current one",
+                 reducer.rank, winner, "tail" if trial.base else "layout", scores[winner])
         self._advance_trial(reducer, self._trial)
 
     def _decide(self, reducer: Reducer, trial: _Trial) -> None:
@@ -326,18 +365,35 @@ class AutoBuckets:
         if trial.confirming is not None:
             slots = _agreed_slots(reducer, trial)
             fresh = _round_ratios(slots, trial.confirming)
-            screened = {n: _round_ratios(trial.screened, n) for n in self.plan.trial_ratio}
+            tried = self.plan.tail_trial_ratio if trial.base else self.plan.trial_ratio
+            screened = {n: _round_ratios(trial.screened, n) for n in tried}
             keep, needed = confirm_layout(fresh, [*screened.values(), fresh], self.margin)
             best = trial.confirming if keep else CURRENT
             after = _medians(slots, [best])[best]
         else:
-            after = self.plan.trial_ms[CURRENT]
-        reducer.install_layout(trial.layouts[best])
+            after = _medians(trial.screened, [CURRENT])[CURRENT] if trial.base else (
+                self.plan.trial_ms[CURRENT])
+        _apply(reducer, trial, best)
+        confirmed = None if fresh is None else _median_or_inf(fresh)
+        if trial.base:
+            self.plan = dataclasses.replace(self.plan, tail=trial.layouts[best],
+                                            tail_confirmed_ratio=confirmed)
+            self._end_trial(reducer)
+            return
         self.plan = dataclasses.replace(
             self.plan, measured_before_ms=self.plan.trial_ms[CURRENT], measured_after_ms=after,
-            kept=best != CURRENT, chosen=best, needed=needed,
-            confirmed_ratio=None if fresh is None else _median_or_inf(fresh),
+            kept=best != CURRENT, chosen=best, needed=needed, confirmed_ratio=confirmed,
         )
+        tails = _tail_candidates(reducer.config) if reducer.lands_lazily else {}
+        if len(tails) > 1:  # the layout decided; now the tail on it
+            log.info("rank %d: %s; trying tails", reducer.rank, self.plan)
+            self._trial = _Trial.of(tails, self.rounds, self.per_slot,
+                                    base=[list(b) for b in trial.layouts[best]])
+            self._advance_trial(reducer, self._trial)
+            return
+        self._end_trial(reducer)
+
+    def _end_trial(self, reducer: Reducer) -> None:
         self._trial, self._baseline_ms = None, None
         self._watched_at = reducer.iteration
         log.info("rank %d: %s", reducer.rank, self.plan)
@@ -417,6 +473,30 @@ def _trial_layouts(
         if all(layout != other for other in layouts.values()):
             layouts[name] = layout
     return layouts
+
+
+def _apply(reducer: Reducer, trial: _Trial, name: str) -> None:
+    """Run the coming iterations with candidate `name`: a layout, or a tail cut from the
+    trial's base layout."""
+    if trial.base is None:
+        reducer.install_layout(trial.layouts[name])
+    else:
+        tail, chunk = trial.layouts[name]
+        reducer.send_tail_first(tail, chunk, layout=trial.base)
+
+
+def _tail_candidates(config: ReducerConfig) -> dict[str, tuple[int, int]]:
+    """The tails a trial tries, by name: the one set first, then none, half and twice as
+    much, and chunks four times as large; each that differs from those already in."""
+    tail, chunk = config.priority_tail_bytes, config.chunk_bytes
+    candidates = {CURRENT: (tail, chunk)}
+    if tail > 0:
+        for name, choice in (("no tail", (0, chunk)), ("half the tail", (tail // 2, chunk)),
+                             ("twice the tail", (2 * tail, chunk)),
+                             ("chunks x4", (tail, 4 * chunk))):
+            if choice not in candidates.values():
+                candidates[name] = choice
+    return candidates
 
 
 def _plan(

@@ -262,15 +262,19 @@ class DistributedDataParallel(_Base):
         each where one of its parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
         chunks of `chunk_mb` MiB (`ReducerConfig.priority_tail_bytes`; None: the measured
-        defaults, `overlap.DEFAULT_TAIL_MB` and `DEFAULT_CHUNK_MB`), so the next forward runs
-        over the communication still in flight. `step()` returns at once. Read parameters or
-        gradients between `step()` and the next forward after `opt.wait()`. Every synchronised
-        backward steps: accumulate under `no_sync()`. Clipping after backward and
+        defaults, `overlap.DEFAULT_TAIL_MB` and `DEFAULT_CHUNK_MB`, which with
+        `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
+        forward runs over the communication still in flight. `step()` returns at once. Read
+        parameters or gradients between `step()` and the next forward after `opt.wait()`.
+        Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward and
         `torch.amp.GradScaler` are refused (`OverlappedOptimizer` says why). Parameters and
         optimizer state equal torch's DDP with `optimizer` stepped after backward.
         Every rank must call it alike."""
         reducer = self._reducer_for("overlap_optimizer")
         tail, chunk = tail_bytes(tail_mb, chunk_mb)
+        plan = self.bucket_plan()
+        if tail_mb is None and chunk_mb is None and plan is not None and plan.tail is not None:
+            tail, chunk = plan.tail  # the planner's (a checkpoint's): bucket_cap_mb="auto"
         agree_on_tail(self.process_group, tail, chunk)
         overlapped = OverlappedOptimizer(reducer, optimizer)
         reducer.send_tail_first(tail, chunk)
