@@ -23,9 +23,10 @@ with its figures and writes out/gpu_check.json. One GPU cannot hold two NCCL ran
     defaults, bucket views, mixed precision, the fp16 hook, PowerSGD, find_unused_parameters,
     static graph, no_sync, BatchNorm buffers, ZeRO-2 (sharded gradients, stepped after
     backward and inside it, against plain SGD) and `overlap_optimizer` (each bucket stepped as it
-    lands, against torch's DDP and the same SGD stepped after backward). Each case fails alone (its own groups, errors
-    caught per case); mixed precision trains torch's twice (is it deterministic?), gradsync's,
-    and a one-process reference with torch's arithmetic, and reports every pairwise difference.
+    lands, against torch's DDP and the same SGD stepped after backward). Each case fails alone
+    (its own groups, errors caught per case); mixed precision trains torch's twice (is it
+    deterministic?), gradsync's, and a one-process reference with torch's arithmetic, and
+    reports every pairwise difference.
 
     python benchmarks/gpu_check.py --only B  # rerun the (B) half alone ("--only A3": one check)
 """

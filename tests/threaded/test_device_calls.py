@@ -24,8 +24,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from gradsync import DistributedDataParallel, EventKind, Reducer, ReducerConfig
 from gradsync.engine.device import DeviceCalls
-from gradsync.wrapper.overlap import OverlappedOptimizer
 from gradsync.testing import run_threaded, seeded
+from gradsync.wrapper.overlap import OverlappedOptimizer
 
 
 class _Stream:
