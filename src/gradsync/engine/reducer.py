@@ -591,8 +591,7 @@ class Reducer:
         self.config = dataclasses.replace(self.config, priority_tail_bytes=tail_bytes,
                                           chunk_bytes=chunk_bytes)
         if layout is not None:
-            self._bucket_set.check_relayout()
-            self._install(validate_bucket_indices(layout, self.params, self.names))
+            self.install_layout(layout)
         elif not self.sharded:
             self._install(self.bucket_indices)
 
