@@ -83,7 +83,9 @@ def _features(case: Case) -> list[str]:
     out += sorted({f"branch used {b.use}" for b in case.blocks if b.kind == "branch"})
     out += sorted({f"output in loss {b.aux}" for b in case.blocks if b.aux != "none"})
     out += [f"requires_grad changed: {case.refreeze}"] if case.refreeze != "none" else []
-    out += ["overlap_optimizer"] if case.overlap else []
+    tail = "" if case.tail is None else " (tail, chunk, credit MiB: {:g}, {:g}, {:g})".format(
+        *case.tail)
+    out += ["overlap_optimizer" + tail] if case.overlap else []
     return out
 
 

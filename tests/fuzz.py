@@ -78,6 +78,9 @@ class Case:
     freeze: str = ""
     freeze_at: int = 0
     overlap: bool = False  # gradsync's side steps each bucket as it lands (overlap_optimizer)
+    # ... with this (tail_mb, chunk_mb, credit_mb): the tail sent nearest the input first in
+    # chunks, some held back by a credit; None: the defaults (the whole tiny model one chunk)
+    tail: tuple[float, float, float] | None = None
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -142,7 +145,12 @@ class Case:
         case = _draw_refreeze(case, rng)  # after those, for the same reason
         # Last of all, for the same reason: every backward that synchronises steps, so not with
         # a sharded optimizer (which steps its shards itself).
-        return dataclasses.replace(case, overlap=not case.zero and rng.random() < 0.35)
+        case = dataclasses.replace(case, overlap=not case.zero and rng.random() < 0.35)
+        if case.overlap and rng.random() < 0.6:  # after that, for the same reason
+            case = dataclasses.replace(case, tail=(rng.choice((0.0002, 0.001)),
+                                                   rng.choice((0.00003, 0.0001)),
+                                                   rng.choice((0.0, 0.00003, 0.0001))))
+        return case
 
     def torch_kwargs(self) -> dict[str, Any]:
         """torch's DDP for the same case. Its static_graph fails an internal assert on
@@ -332,7 +340,7 @@ def train(
         else cls(params, **defaults)
     )
     if case.overlap and wrapper_cls is not TorchDDP:
-        opt = ddp.overlap_optimizer(opt)
+        opt = ddp.overlap_optimizer(opt, *(case.tail or ()))
     ws = group.size()
     grads = []
     for step, batch in enumerate(batches):

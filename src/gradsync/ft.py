@@ -293,7 +293,8 @@ class DistributedDataParallel(_GradsyncDDP):
         return self.reducer
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, tail_mb: float | None = None,
-                          chunk_mb: float | None = None) -> NoReturn:
+                          chunk_mb: float | None = None,
+                          credit_mb: float | None = None) -> NoReturn:
         """Refused: torchft decides after backward whether the step commits
         (`Manager.should_commit`), so no bucket may be stepped before that answer."""
         raise RuntimeError(

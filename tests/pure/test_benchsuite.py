@@ -109,6 +109,17 @@ def test_cpu_use_is_each_variants_median_cpu_per_step_and_its_share_of_the_step(
     )
     line = _cpu_use_lines(data)[0]
     assert "torch DDP 160.0 ms (75%)" in line and "gradsync planned 200.0 ms (97%)" in line
+    assert len(_cpu_use_lines(data)) == 1  # the machine's not measured: no line for it
+
+
+def test_the_machine_cpu_per_step_counts_every_rank_and_the_kernel():
+    from gradsync.tools.benchsuite import _cpu_use_lines, _machine_busy, machine_cpu
+
+    assert _machine_busy() > 0  # /proc/stat, in seconds since boot
+    data = {"cpu": {"torch DDP": [(0.150, 0.70, 0.300), (0.160, 0.75, 0.320)],
+                    "gradsync overlap": [(0.170, 0.90, 0.310), (0.180, 0.95, 0.330)]}}
+    assert machine_cpu(data) == pytest.approx({"torch DDP": 310.0, "gradsync overlap": 320.0})
+    assert "torch DDP 310.0 ms, gradsync overlap 320.0 ms" in _cpu_use_lines(data)[1]
 
 
 def test_the_device_bench_is_chosen_by_device_or_model_with_its_own_defaults():

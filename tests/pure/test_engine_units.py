@@ -3,6 +3,8 @@ the static graph's counts, the reports' encoding (see also test_reliability), th
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -233,3 +235,33 @@ def test_the_unused_search_reaches_exactly_the_leaves_behind_the_outputs():
     assert reached == {id(shared), id(head), id(returned)}
     assert reachable_parameters([other]) == {id(elsewhere)}
     assert reachable_parameters([torch.zeros(2)]) == set()  # nothing needing a gradient
+
+
+def test_the_tail_trial_tries_a_credit_and_a_plan_saved_before_it_reads_as_no_credit():
+    from gradsync.engine.config import ReducerConfig
+    from gradsync.planning.autoplan import BucketPlan, _tail_candidates
+    from gradsync.planning.planner import CostModel
+
+    tried = _tail_candidates(ReducerConfig(priority_tail_bytes=4096, chunk_bytes=1024))
+    assert tried["one chunk in flight"] == (4096, 1024, 1024)
+    assert tried["no tail"] == (0, 1024, 0) and tried["chunks x4"] == (4096, 4096, 0)
+    held = _tail_candidates(ReducerConfig(priority_tail_bytes=4096, chunk_bytes=1024,
+                                          credit_bytes=1024))
+    assert held["no credit"] == (4096, 1024, 0) and held["chunks x4"] == (4096, 4096, 4096)
+    plan = BucketPlan([[0]], CostModel(0.0, 1e-9), 1.0, 1.0, 0, [[0]], 1.0, kept=True)
+    old = dataclasses.replace(plan, tail=(4096, 1024))  # a checkpoint from before the credit
+    assert old.tail_settings == (4096, 1024, 0) and "in flight" not in str(old)
+    new = dataclasses.replace(plan, tail=(4096, 1024, 1024))
+    assert new.tail_settings == (4096, 1024, 1024) and "0.000977 MiB of them in flight" in str(new)
+
+
+def test_a_trial_on_buckets_landing_later_times_forward_to_backwards_return_not_the_gap():
+    from gradsync.engine.timeline import IterationTimeline
+    from gradsync.planning.autoplan import _step_ms
+
+    timeline = IterationTimeline(3, start_ns=5_000_000, bucket_indices=[[0]], bucket_bytes=[4],
+                                 forward_start_ns=1_000_000, backward_returned_ns=9_000_000)
+    # 8 ms of step; the 50 ms forward to forward held a data loader's wait, or other models'
+    assert _step_ms(timeline, forward_to_forward_ms=50.0) == pytest.approx(8.0)
+    unsaid = IterationTimeline(3, start_ns=5_000_000, bucket_indices=[[0]], bucket_bytes=[4])
+    assert _step_ms(unsaid, forward_to_forward_ms=50.0) == 50.0

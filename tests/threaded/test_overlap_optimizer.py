@@ -11,6 +11,8 @@ import time
 
 import pytest
 import torch
+from held import Held as _Held
+from held import layers as _layers
 from models import MODELS, make_batches
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
@@ -31,13 +33,15 @@ OPTIMIZERS = {
 
 
 def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, micro_steps=1,
-           schedule=False, checkpoint=None, tail_mb=None, chunk_mb=None, **kwargs):
+           schedule=False, checkpoint=None, tail_mb=None, chunk_mb=None, credit_mb=None,
+           **kwargs):
     """Train; return the parameters and the optimizer's state dict."""
     model = seeded(MODELS[model_name], 0)
     ddp = wrapper(model, process_group=group, **kwargs)
     opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
     if wrapper is GradsyncDDP:
-        opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb)
+        opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb,
+                                        credit_mb=credit_mb)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5) if schedule else None
     for i, batch in enumerate(batches):
         if checkpoint is not None and i == checkpoint:  # a new optimizer, from the state dict
@@ -46,7 +50,8 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
             del opt  # the wrapper's buckets are stepped by one optimizer at a time
             opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
             if wrapper is GradsyncDDP:
-                opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb)
+                opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb,
+                                        credit_mb=credit_mb)
             saved.seek(0)
             opt.load_state_dict(torch.load(saved))
         shard = batch.chunk(group.size())[rank]
@@ -256,40 +261,6 @@ def test_sharded_gradients_and_a_closure_are_refused():
 # ------------------------------------------------------------------ the next forward's waits
 
 
-class _Held:
-    """A group whose all-reduces complete only when waited for: a link slower than anything
-    else (deterministic), each wait logged with the size of what it waited for."""
-
-    def __init__(self, group):
-        self._group, self.waited = group, []
-
-    def __getattr__(self, name):
-        return getattr(self._group, name)
-
-    def allreduce(self, tensors, *args):
-        return _HeldWork(self._group.allreduce(tensors, *args), tensors[0].numel(), self.waited)
-
-
-class _HeldWork:
-    def __init__(self, work, numel, log):
-        self._work, self._numel, self._log, self._waited = work, numel, log, False
-
-    def is_completed(self):
-        return self._waited
-
-    def wait(self, *args):
-        self._log.append(self._numel)
-        self._waited = True
-        return self._work.wait(*args)
-
-    def __getattr__(self, name):
-        return getattr(self._work, name)
-
-
-def _layers():
-    return torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
-
-
 def test_the_next_forward_waits_only_for_the_buckets_of_each_module_in_turn():
     def body(rank, group):
         held = _Held(group)
@@ -397,9 +368,41 @@ def test_ranks_asking_for_different_tails_are_refused_naming_them():
         run_threaded(body, 2, timeout=60)
 
 
+@pytest.mark.parametrize("credit_mb", [None, 0.00005, 0.0001])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
-def test_a_tail_sent_first_in_chunks_equals_torch_ddp(optimizer):
-    _check("many_small", optimizer, foreach=True, tail_mb=0.0004, chunk_mb=0.00005)
+def test_a_tail_sent_first_in_chunks_equals_torch_ddp(optimizer, credit_mb):
+    _check("many_small", optimizer, foreach=True, tail_mb=0.0004, chunk_mb=0.00005,
+           credit_mb=credit_mb)
+
+
+@pytest.mark.parametrize("credit", [1, 2])
+def test_a_credit_holds_the_tails_chunks_until_the_next_forward_lands_those_before(credit):
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        size = 8 * 8 * 4 + 8 * 4  # a layer's bytes: the tail is three chunks of a layer each
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                    tail_mb=3 * size / 2**20, chunk_mb=size / 2**20,
+                                    credit_mb=credit * size / 2**20)
+        reductions, started = ddp.reducer._reductions, []
+        for _ in range(3):
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()  # the tail's chunks beyond the credit are not started yet
+            started.append([f.stage.name for f in reductions.flights])
+            opt.zero_grad()
+        launched = [i for _, kind, i in ddp.reducer.history[-1].events
+                    if kind == gradsync.EventKind.LAUNCH]
+        opt.wait()
+        return started[-1], launched, ddp.reducer.phase.name
+
+    for after_step, launched, after_wait in run_threaded(body, 2, timeout=60):
+        # Buckets: the head (layer 3), then the chunks of layers 2, 1, 0, sent in the order
+        # 0, 3, 2, 1 (layer 0 first) credit or not; after step() only `credit` chunks are.
+        assert after_step[0] != "FILLING" and after_step[3] != "FILLING", after_step
+        assert after_step[1:3] == ["FILLING"] * (3 - credit) + ["STARTED"] * (credit - 1), (
+            after_step)
+        assert launched == [0, 3, 2, 1]
+        assert after_wait == "REDUCED"  # every chunk landed and written back
 
 
 def test_a_parameter_written_while_its_bucket_is_landing_is_refused_and_a_load_waits():
@@ -490,7 +493,7 @@ def test_a_bucket_that_never_lands_raises_within_the_timeout_instead_of_waiting_
     assert took < 30
 
 
-PLANNED_STEPS = 48  # the layout decided by iteration 26, the tail by 41 (short trials)
+PLANNED_STEPS = 48  # the layout decided by iteration 26, the tail by 43 (short trials)
 
 
 def _planned_tail(rank, group):
@@ -511,6 +514,8 @@ def _planned_tail(rank, group):
         opt.zero_grad()
         tails.append(ddp.reducer.config.priority_tail_bytes)
     opt.wait()
+    last = ddp.reducer.history[-1]  # what the trials timed: forward to backward's return
+    assert last.forward_start_ns < last.backward_end_ns <= last.backward_returned_ns
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return (params, opt.state_dict()), ddp.bucket_plan(), tails, total
 
@@ -527,7 +532,8 @@ def test_the_planner_tries_tails_once_the_layout_is_decided_alike_on_every_rank(
     assert plan0.kept is not None and plan0.tail is not None, str(plan0)
     assert plan0.tail == plan1.tail and tails0 == tails1
     assert set(plan0.tail_trial_ratio) == {"no tail", "half the tail", "twice the tail",
-                                           "chunks x4"}, plan0.tail_trial_ratio
+                                           "chunks x4", "one chunk in flight"}, (
+        plan0.tail_trial_ratio)
     assert len(set(tails0)) >= 3  # the tails tried in turn: half, none, twice...
     assert tails0[-1] == plan0.tail[0] and "tail" in str(plan0)
     for rank, (mine, want) in enumerate(zip(ours, theirs)):

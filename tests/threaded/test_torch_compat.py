@@ -61,6 +61,18 @@ def test_torchs_internals_raise_an_error_naming_them():
     assert "reducer._push_all_rebuilt_params" in pushed and "C++-reducer" in pushed
 
 
+def test_to_kwargs_moves_inputs_as_torchs_does():
+    def body(rank, group):
+        got = []
+        for cls in (GradsyncDDP, TorchDDP):
+            ddp = cls(seeded(Switch, 0), process_group=group)
+            got.append(ddp.to_kwargs((torch.ones(2), [torch.zeros(1)]), {"x": torch.ones(3)}, 0))
+        return got
+
+    for ours, theirs in run_threaded(body, 2, timeout=60):
+        assert repr(ours) == repr(theirs) and repr(ours).startswith("(((tensor([1., 1.]")
+
+
 # --------------------------------------------------------------------- torch's names
 
 

@@ -108,6 +108,13 @@ class ReducerConfig:
     chunk_bytes: int = 4 * 2**20
     """The size of the tail's buckets (`priority_tail_bytes`)."""
 
+    credit_bytes: int = 0
+    """With buckets landing in the next forward: the most bytes of the tail's chunks reducing
+    at once (a credit of bytes in flight). A chunk beyond it starts once the next forward
+    has landed enough of those before it, so the chunk it needs first is not sharing the link
+    with the ones it needs later (gloo runs two collectives at once). 0: the whole tail at once.
+    Always at least one chunk in flight, whatever its size."""
+
     def casts_to_reduce(self, param_dtype: torch.dtype) -> bool:
         """Whether buckets are cast to another dtype to be reduced (mixed precision)."""
         return (self.reduce_dtype is not None
@@ -127,7 +134,7 @@ class ReducerConfig:
                 or self.time_gradients_every < 1):
             raise ValueError(f"time_gradients_every={self.time_gradients_every!r} must be an "
                              "int >= 1")
-        for name in ("priority_tail_bytes", "chunk_bytes"):
+        for name in ("priority_tail_bytes", "chunk_bytes", "credit_bytes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name}={value!r} must be an int >= 0")

@@ -107,6 +107,7 @@ def resolve_timeline(timeline: IterationTimeline, clock: EventClock,
     timeline.forward_start_ns = clock.ns(timeline.forward_start_ns, landed)
     timeline.backward_end_ns = clock.ns(timeline.backward_end_ns, landed)
     timeline.finish_ns = clock.ns(timeline.finish_ns, landed)
+    timeline.backward_returned_ns = clock.ns(timeline.backward_returned_ns, landed)
     resolved, later = [], timeline.backward_end_ns
     for t, k, i in reversed(timeline.events):
         if t == UNTIMED:

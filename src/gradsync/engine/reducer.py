@@ -128,6 +128,7 @@ class Reducer:
         self._finish_hooks: OrderedDict[int, Callable[[], None]] = OrderedDict()
         self.phase, self._it = Phase.IDLE, Iteration.idle(0, len(self.params), self.world_size)
         self.on_use: LandOnUse | None = None  # lands buckets as the forward uses them
+        self.on_use_ended: Callable[[], None] | None = None  # called as each `on_use` exits
         # Held for the unused search to ask the engine about (else it walks the graph); not
         # with parameters cast each forward (`bucket_dtype`), whose accumulators are new each time.
         held = self._settings.find_unused and config.bucket_dtype is None
@@ -512,6 +513,7 @@ class Reducer:
         self._reductions.start_reports(it)  # now, on every rank alike, after every bucket
         if not self._land(it, None, landed_only=True):
             self._reductions.stepper.backward_ended(self._reductions.pending())  # type: ignore[union-attr]
+        it.timeline.backward_returned_ns = self._settings.clock()
 
     def land(self, buckets: Sequence[int] | None = None) -> None:
         """Land the last backward's `buckets` still reducing (default: every one), each
@@ -579,9 +581,12 @@ class Reducer:
         return self._reductions.lands_lazily()
 
     def send_tail_first(self, tail_bytes: int, chunk_bytes: int,
-                        layout: Sequence[Sequence[int]] | None = None) -> None:
+                        layout: Sequence[Sequence[int]] | None = None,
+                        credit: int = 0) -> None:
         """From now on send the last `tail_bytes` of gradients in ready order nearest the input
-        first, in buckets of at most `chunk_bytes` (`ReducerConfig.priority_tail_bytes`); the
+        first, in buckets of at most `chunk_bytes`, with at most `credit` bytes of them
+        reducing at once where they land in the next forward (`ReducerConfig.priority_tail_bytes`,
+        `credit_bytes`); the
         layout in place is cut so at once, or `layout` is installed cut so (the planner trying
         tails on one layout: a layout cut once is not cut back). Between iterations; every
         rank alike."""
@@ -589,7 +594,7 @@ class Reducer:
         if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
             raise RuntimeError("send_tail_first: an iteration is still being reduced")
         self.config = dataclasses.replace(self.config, priority_tail_bytes=tail_bytes,
-                                          chunk_bytes=chunk_bytes)
+                                          chunk_bytes=chunk_bytes, credit_bytes=credit)
         if layout is not None:
             self.install_layout(layout)
         elif not self.sharded:
@@ -769,6 +774,8 @@ class LandOnUse(TorchFunctionMode):
     def __exit__(self, *exc: object) -> None:
         self.reducer.on_use = None
         super().__exit__(*exc)
+        if self.reducer.on_use_ended is not None:  # off the stack: a mode below may come off too
+            self.reducer.on_use_ended()
 
     def __torch_function__(self, func: Callable, types: object, args: tuple = (),
                            kwargs: dict | None = None) -> Any:

@@ -110,6 +110,9 @@ class Reductions:
         self.started = 0  # buckets before it have been started (handed to the hook), in order
         self.next_index = 0  # the bucket to start next (-1: all started)
         self.settled = 0  # transient buckets before it have landed and given their buffers back
+        self._tail_from = 0  # the tail's first position in `order` (`set_order`)
+        self._tail: frozenset[int] = frozenset()  # its buckets
+        self._credit = 0  # bytes of the tail's chunks reducing at once (0: no limit; `begin`)
         self.hooked = False  # this iteration's buckets go through the communication hook
         self.hook_waiting = False  # buckets full and in order wait for their predecessor's Future
         self._hooks_in_order = False  # this iteration's hook goes without waiting (`begin`)
@@ -134,6 +137,10 @@ class Reductions:
         self._cleared = True
         self._by_index = list(range(len(self.buckets)))
         self.order = order if order is not None else self._by_index
+        # where the tail sent nearest the input first begins in the order (the head is started
+        # by index): a credit holds back the tail's chunks only
+        self._tail_from = next((p for p, i in enumerate(self.order) if i != p), len(self.order))
+        self._tail = frozenset(self.order[self._tail_from:])
 
     # ----------------------------------------------------------------------- iteration
 
@@ -150,6 +157,8 @@ class Reductions:
         # the hook's chain runs by index, as torch hands it buckets
         self._starts = self._by_index if self.hooked else self.order
         self.next_index = self._starts[0]
+        # Landing in the next forward, the tail's chunks go within a credit of bytes in flight.
+        self._credit = s.config.credit_bytes if self.lands_lazily() else 0
         # Known hooks that issue their one all-reduce inside the call go as their buckets fill.
         self._hooks_in_order = self.hooked and averages_by_one_allreduce(s.comm_hook[1])  # type: ignore[index]
         it.reports_in_tail = self.reports_in_tail()
@@ -231,6 +240,8 @@ class Reductions:
         buckets, s, starts = self.buckets, self.settings, self._starts
         while self.started < len(buckets) and buckets[starts[self.started]].pending == 0:
             bucket = buckets[starts[self.started]]
+            if self._credit and not self._within_credit(bucket):
+                break
             bucket.launch_payload(s.config.reduce_dtype if s.casts_to_reduce_dtype else None,
                                   it.divisor)
             self.started += 1
@@ -244,6 +255,22 @@ class Reductions:
         elif self.bucket_set.shards is not None and self.bucket_set.shards.transient:
             self.release_landed(it)
         return self.started == len(buckets)
+
+    def _within_credit(self, bucket: Bucket) -> bool:
+        """May `bucket` start now under the credit of bytes in flight? Outside the tail,
+        always; in it, if the tail's chunks started and not yet landed leave room for it (or
+        none is reducing). Counted from landings the next forward asks for, never from
+        completions seen by chance: what has started at any point is the same on every rank,
+        so the ranks' collectives pair up with anything else issued in between."""
+        if self.started < self._tail_from:
+            return True
+        flying = [self.buckets[i] for i in self._starts[self._tail_from:self.started]
+                  if self.flights[i].stage is Stage.STARTED]
+        return not flying or sum(b.nbytes for b in flying) + bucket.nbytes <= self._credit
+
+    def holding(self) -> bool:
+        """Whether chunks of the tail wait for the credit (full, not yet started)."""
+        return self.started < len(self.buckets) and self.started >= self._tail_from
 
     def _start(self, it: Iteration, bucket: Bucket) -> None:
         """Start `bucket`'s collective (this rank's report riding in the last one's tail)."""
@@ -357,12 +384,22 @@ class Reductions:
             self._land_shard(it, bucket)
             return
         else:
+            while flight.stage is Stage.FILLING and self.holding():
+                self._land_to_start(it)
             assert flight.stage is Stage.STARTED, (f"bucket {bucket.index} landed before it was "
                                                    "started")
             self.waits(flight.work, f"all-reduce of bucket {bucket.index}", bucket)
             if bucket.sparse:
                 bucket.accept(flight.work.result()[0])  # type: ignore[union-attr]
         flight.stage = Stage.LANDED
+
+    def _land_to_start(self, it: Iteration) -> None:
+        """A chunk held by the credit is wanted: land the earliest of the tail's chunks still
+        reducing (they go in order), which frees credit, and start what then fits."""
+        first = next(i for i in self._starts[self._tail_from:self.started]
+                     if self.flights[i].stage is Stage.STARTED)
+        self.finish(it, self.buckets[first])
+        self.start_ready(it)
 
     def _land_shard(self, it: Iteration, bucket: Bucket) -> None:
         """A reduce-scatter bucket has landed: take its shard, give its buffer back."""
@@ -430,8 +467,8 @@ class Reductions:
         flight = self.flights[bucket.index]
         if flight.hook_done is not None:
             return flight.hook_done.wait(seconds)
-        if flight.work is None:
-            return flight.stage >= Stage.LANDED
+        if flight.work is None:  # landed, or held by the credit: nothing of it reducing
+            return flight.stage >= Stage.LANDED or bucket.index in self._tail
         return _completes_within(flight.work, seconds)
 
     # ----------------------------------------------------------------------- writing back
@@ -456,7 +493,8 @@ class Reductions:
         Otherwise every bucket and the used map are waited for first, and only what some rank
         used is written back. Either way the reports are checked before the last write-back,
         so an error leaves `.grad` alike on every rank."""
-        assert self.started == len(self.buckets), "write_back before every bucket was started"
+        assert self.started == len(self.buckets) or self.holding(), (
+            "write_back before every bucket was started")
         s = self.settings
         if self.bucket_set.shards is None and not s.find_unused and s.static is None:
             return self._write_back_as_landed(it, wanted, landed_only)
@@ -471,14 +509,23 @@ class Reductions:
         buckets, as_view = self.buckets, self.settings.config.gradient_as_bucket_view
         for bucket in [buckets[i] for i in (self._starts if wanted is None else wanted)]:
             flight = self.flights[bucket.index]
-            if flight.stage is Stage.WRITTEN or (landed_only and not self.done_within(bucket, 0)):
+            if flight.stage is Stage.WRITTEN or (landed_only and not self._landed_by_now(bucket)):
                 continue
             self.finish(it, bucket)
+            if self._credit:  # a chunk landed: room for the next
+                self.start_ready(it)
             if self.written == len(buckets) - 1:
                 self.start_reports(it)
                 self.check_reports(it)
             self._write_back(it, bucket, None, as_view)
         return self.written == len(buckets)
+
+    def _landed_by_now(self, bucket: Bucket) -> bool:
+        """Whether `bucket` can be written back without waiting. Under a credit not a chunk of
+        the tail: those land when the next forward asks (`_within_credit`)."""
+        if self._credit and bucket.index in self._tail:
+            return False
+        return self.done_within(bucket, 0)
 
     def pending(self) -> list[Bucket]:
         """The buckets not written back yet (landing lazily: still reducing after backward)."""

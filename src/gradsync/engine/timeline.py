@@ -54,6 +54,12 @@ class IterationTimeline:
     finish_ns: int = 0
     forward_start_ns: int = 0
     """When the forward that led here began (0 if the caller did not say)."""
+    backward_returned_ns: int = 0
+    """With buckets landing in the next forward (`Reducer.lands_lazily`): when the end of
+    backward returned, the buckets landed by then written back and stepped, the rest still
+    reducing (0 otherwise). From `forward_start_ns` to here is what the host spent on this
+    step, the waits of the last step's buckets in this forward included, idle time between
+    steps (data loading, anything else running) not."""
     gradients_timed: bool = True
     """Whether each gradient's ready time was read (on a GPU only on sampled iterations; on
     the others a gradient's time is its bucket's, or the next bucket's: when it was ready at

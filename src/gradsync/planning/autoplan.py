@@ -25,11 +25,13 @@
    docs/benchmarks/design-figures.md#trial-winners-curse), so the keep-or-revert decision is
    never made on the samples that chose the winner.
 4. With an optimizer stepped per bucket as each lands (`overlap_optimizer`: buckets land in
-   the next forward, `Reducer.lands_lazily`), a trial times whole steps, from one synchronised
-   forward to the next, since the end of backward no longer waits for the buckets. Once the
+   the next forward, `Reducer.lands_lazily`), a trial times whole steps, from a synchronised
+   forward (which waits for the last step's buckets) to the return of its backward, since the
+   end of backward no longer waits for the buckets; the time between steps is left out. Once the
    layout is decided, a second trial of the same form (screen, then confirm) picks how much
    of the communication tail goes first and in what chunks (`Reducer.send_tail_first`):
-   the tail as set, none, half and twice as much, and chunks four times as large.
+   the tail as set, none, half and twice as much, chunks four times as large, and one chunk
+   reducing at a time (a credit of bytes in flight).
 5. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
@@ -121,14 +123,23 @@ class BucketPlan:
     contention: float | None = None
     """The measured share of an all-reduce that competes with compute (0: hides entirely,
     1: takes turns with it; `planner.measure_contention`), None if not measured."""
-    tail: tuple[int, int] | None = None
-    """With buckets landing in the next forward (`overlap_optimizer`): the (tail, chunk)
-    bytes the tail trial chose (`Reducer.send_tail_first`); None: not tried (yet)."""
+    tail: tuple[int, ...] | None = None
+    """With buckets landing in the next forward (`overlap_optimizer`): the (tail, chunk,
+    credit) bytes the tail trial chose (`Reducer.send_tail_first`; a plan saved before the
+    credit has two); None: not tried (yet). `tail_settings` reads either."""
     tail_trial_ratio: dict[str, float] = dataclasses.field(default_factory=dict)
     """Each tail candidate's score against the tail as set, as `trial_ratio`."""
     tail_confirmed_ratio: float | None = None
     """The tail trial's winner against the tail as set on fresh iterations, as
     `confirmed_ratio`."""
+
+    @property
+    def tail_settings(self) -> tuple[int, int, int] | None:
+        """`tail` as (tail, chunk, credit) bytes (no credit in a plan saved before it)."""
+        if self.tail is None:
+            return None
+        tail, chunk, credit = (*self.tail, 0)[:3]
+        return tail, chunk, credit
 
     def __str__(self) -> str:
         if self.kept is None:
@@ -148,9 +159,13 @@ class BucketPlan:
         tails = ", ".join(f"{k} x{v:.3f}" for k, v in self.tail_trial_ratio.items())
         confirmed_tail = ("" if self.tail_confirmed_ratio is None else
                           f"; the winner confirmed at x{self.tail_confirmed_ratio:.3f}")
-        tail = ("" if self.tail is None else
-                f"; tail {self.tail[0] / 2**20:.3g} MiB in chunks of {self.tail[1] / 2**20:.3g} "
-                f"MiB (tails against the one set: {tails or '-'}{confirmed_tail})")
+        tail = ""
+        if (settings := self.tail_settings) is not None:
+            credit = (f", {settings[2] / 2**20:.3g} MiB of them in flight" if settings[2]
+                      else "")
+            tail = (f"; tail {settings[0] / 2**20:.3g} MiB in chunks of "
+                    f"{settings[1] / 2**20:.3g} MiB{credit} (tails against the one set: "
+                    f"{tails or '-'}{confirmed_tail})")
         return (
             f"planned {len(self.layout)} buckets (was {len(self.previous_layout)}) at iteration "
             f"{self.planned_at_iteration}: predicted {self.predicted_finish_ms:.3f} ms vs "
@@ -169,7 +184,7 @@ class _Trial:
     """Which layout (or tail) each coming iteration runs (round, name), and the times measured
     so far."""
 
-    layouts: dict[str, Any]  # name -> a layout, or a tail trial's (tail, chunk) bytes
+    layouts: dict[str, Any]  # name -> a layout, or a tail trial's (tail, chunk, credit) bytes
     schedule: list[tuple[int, str]]
     samples: dict[tuple[int, str], list[float]]
     confirming: str | None = None  # the screening's winner, now alone against the current layout
@@ -235,6 +250,14 @@ class AutoBuckets:
         # current, plan, ladder, one; the plans' even twins
         layouts = 3 + len(LADDER) + 1 + len(LADDER)
         return self.warmup + (self.rounds * layouts + self.confirm_rounds * 2) * self.per_slot + 1
+
+    @property
+    def tail_decided_by(self) -> int:
+        """Iterations by which the first plan and its tail are decided, at most, with buckets
+        landing in the next forward (`overlap_optimizer`): the tail trial follows the layout's
+        (the tail as set, none, half, twice, larger chunks; then the confirmation)."""
+        tails = 6
+        return self.decided_by + (self.rounds * tails + self.confirm_rounds * 2) * self.per_slot + 1
 
     def maybe_plan(self, reducer: Reducer) -> None:
         """Call at every synchronised forward, before the reducer prepares the iteration."""
@@ -311,10 +334,12 @@ class AutoBuckets:
                 return
             switched = pos == 1 or trial.schedule[pos - 2][1] != trial.schedule[pos - 1][1]
             if not switched or self.per_slot == 1:  # the first after a switch paid for it
-                # Buckets landing in the next forward: the step, forward to forward, is what
-                # a layout or a tail changes; otherwise until the last bucket is written back.
-                ms = ((now - since) * 1e-6 if reducer.lands_lazily
-                      else _total_ms(reducer.history[-1]))
+                # Buckets landing in the next forward: the step (its forward, which waits for
+                # the last step's buckets, to its backward's return) is what a layout or a tail
+                # changes; otherwise until the last bucket is written back.
+                last = reducer.history[-1]
+                ms = (_step_ms(last, (now - since) * 1e-6) if reducer.lands_lazily
+                      else _total_ms(last))
                 trial.samples[trial.schedule[pos - 1]].append(ms)
         if pos == len(trial.schedule):
             if trial.confirming is None:
@@ -481,19 +506,23 @@ def _apply(reducer: Reducer, trial: _Trial, name: str) -> None:
     if trial.base is None:
         reducer.install_layout(trial.layouts[name])
     else:
-        tail, chunk = trial.layouts[name]
-        reducer.send_tail_first(tail, chunk, layout=trial.base)
+        tail, chunk, credit = trial.layouts[name]
+        reducer.send_tail_first(tail, chunk, layout=trial.base, credit=credit)
 
 
-def _tail_candidates(config: ReducerConfig) -> dict[str, tuple[int, int]]:
+def _tail_candidates(config: ReducerConfig) -> dict[str, tuple[int, int, int]]:
     """The tails a trial tries, by name: the one set first, then none, half and twice as
-    much, and chunks four times as large; each that differs from those already in."""
-    tail, chunk = config.priority_tail_bytes, config.chunk_bytes
-    candidates = {CURRENT: (tail, chunk)}
+    much, chunks four times as large, and one chunk reducing at a time (a credit of one chunk;
+    the whole tail at once if one was set); each that differs from those already in."""
+    tail, chunk, credit = config.priority_tail_bytes, config.chunk_bytes, config.credit_bytes
+    candidates = {CURRENT: (tail, chunk, credit)}
     if tail > 0:
-        for name, choice in (("no tail", (0, chunk)), ("half the tail", (tail // 2, chunk)),
-                             ("twice the tail", (2 * tail, chunk)),
-                             ("chunks x4", (tail, 4 * chunk))):
+        for name, choice in (("no tail", (0, chunk, 0)),
+                             ("half the tail", (tail // 2, chunk, credit)),
+                             ("twice the tail", (2 * tail, chunk, credit)),
+                             ("chunks x4", (tail, 4 * chunk, credit and 4 * credit)),
+                             ("one chunk in flight" if not credit else "no credit",
+                              (tail, chunk, 0 if credit else chunk))):
             if choice not in candidates.values():
                 candidates[name] = choice
     return candidates
@@ -586,6 +615,15 @@ def _medians(slots: dict[tuple[int, str], float], names: list[str]) -> dict[str,
 
 def _median_or_inf(values: list[float]) -> float:
     return statistics.median(values) if values else float("inf")
+
+
+def _step_ms(timeline: IterationTimeline, forward_to_forward_ms: float) -> float:
+    """With buckets landing in the next forward: from the iteration's forward to the return of
+    its backward (`IterationTimeline.backward_returned_ns`), leaving out the time between
+    steps (a data loader, another model trained in turn) that forward to forward counts."""
+    if timeline.forward_start_ns and timeline.backward_returned_ns:
+        return (timeline.backward_returned_ns - timeline.forward_start_ns) * 1e-6
+    return forward_to_forward_ms
 
 
 def _total_ms(timeline: IterationTimeline) -> float:

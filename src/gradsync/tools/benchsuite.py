@@ -13,7 +13,8 @@ a JSON file and a PNG chart.
 Variants: torch's DDP (twice: the A/A pair shows the noise); gradsync default; gradsync with
 gradient_as_bucket_view; gradsync with planned buckets (`bucket_cap_mb="auto"`); gradsync
 overlap (`overlap_optimizer`: each bucket stepped as it lands, the tail sent nearest the input
-first, the next forward over it); no overlap (plain
+first, the next forward over it), and the same on planned buckets, whose trial then learns the
+tail too; no overlap (plain
 backward, then one flat all-reduce); and the compute-only floor (no communication at all).
 
 With --device cuda (or cpu) or --model: the device bench (`gradsync.tools.devicebench`,
@@ -26,6 +27,7 @@ import argparse
 import gc
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -50,6 +52,7 @@ VARIANTS = (
     "gradsync as_view",
     "gradsync planned",
     "gradsync overlap",
+    "gradsync overlap planned",
     "no overlap",
     "compute only",
 )
@@ -218,7 +221,7 @@ def _make_variant(
     wrapped = _wrap_variant(name, model)
     opt = OPTIMIZERS[optimizer](model.parameters())
     # each bucket stepped as it lands, the next forward over the tail
-    if name == "gradsync overlap":
+    if name.startswith("gradsync overlap"):
         opt = wrapped.overlap_optimizer(opt)  # type: ignore[operator]
     land = getattr(opt, "wait", lambda: None)
     g = torch.Generator().manual_seed(1000 + rank)
@@ -236,11 +239,15 @@ def _make_variant(
     def run() -> float:
         # The CPU time of every thread of this rank (gloo's too, and the kernel's network work
         # charged to them), per step and as a share of the steps' wall time.
-        cpu_start, wall_start = time.process_time(), time.perf_counter()
+        # And the whole machine's (every rank, the kernel's network work wherever charged).
+        cpu_start, wall_start, machine_start = (time.process_time(), time.perf_counter(),
+                                                _machine_busy())
         seconds = timed(step, repeat)
         land()  # the last step's tail, before the next variant runs (timed in the next round)
         busy = time.process_time() - cpu_start
-        cpu.setdefault(name, []).append((busy / repeat, busy / (time.perf_counter() - wall_start)))
+        machine = _machine_busy() - machine_start
+        cpu.setdefault(name, []).append((busy / repeat, busy / (time.perf_counter() - wall_start),
+                                         machine / repeat))
         return seconds
 
     state[name] = model
@@ -258,7 +265,9 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool
     # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
     # (every variant trains the same steps, so all still end with the same parameters). A smoke
     # run (`settle=False`) times planned buckets mid-trial: it checks that they run and stay exact.
-    settles = AutoBuckets().decided_by if settle else 0
+    planner = AutoBuckets()
+    settles = 0 if not settle else (planner.tail_decided_by if "gradsync overlap planned" in names
+                                    else planner.decided_by)
     result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(settles / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["torch DDP"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
@@ -343,12 +352,34 @@ def _cpu_floor_lines(data: dict) -> list[str]:
     ]
 
 
+def _machine_busy() -> float:
+    """Seconds every CPU of this machine has been busy since boot (/proc/stat: all but idle
+    and iowait), counting what the kernel spends on the network whoever it is charged to; nan
+    where there is no /proc/stat."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = [int(x) for x in stat.readline().split()[1:]]
+    except OSError:
+        return math.nan
+    return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_use(data: dict) -> dict[str, tuple[float, float]]:
     """Per variant: median CPU ms per step of this rank's threads, and median share of the
     step's wall time they were busy (1.0: a core's worth the whole step)."""
     return {
-        v: (statistics.median(c for c, _ in rows) * 1e3, statistics.median(b for _, b in rows))
+        v: (statistics.median(r[0] for r in rows) * 1e3, statistics.median(r[1] for r in rows))
         for v, rows in data.get("cpu", {}).items() if rows
+    }
+
+
+def machine_cpu(data: dict) -> dict[str, float]:
+    """Per variant: median CPU ms per step of the whole machine (every rank on it, and the
+    kernel), where measured."""
+    return {
+        v: statistics.median(r[2] for r in rows) * 1e3
+        for v, rows in data.get("cpu", {}).items()
+        if rows and len(rows[0]) > 2 and not any(math.isnan(r[2]) for r in rows)
     }
 
 
@@ -362,7 +393,11 @@ def _cpu_use_lines(data: dict) -> list[str]:
         "network work charged to them included), and its share of the step: "
         f"{shares}. Near 100 % a step is bound by this host's core, not by the link "
         "or the layout: the CPU the overlapped transfers cost it adds to the step."
-    ]
+    ] + ([
+        "CPU time per step of the whole machine (every rank on it, and the kernel's network "
+        "work whoever it is charged to): "
+        + ", ".join(f"{v} {ms:.1f} ms" for v, ms in machine.items())
+    ] if (machine := machine_cpu(data)) else [])
 
 
 def _floor_line(
@@ -578,6 +613,7 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "floor_with_comm_cpu_ms": _cpu_floor_ms(d),
             "cpu_ms_per_step": {v: ms for v, (ms, _) in cpu_use(d).items()},
             "cpu_share_of_step": {v: share for v, (_, share) in cpu_use(d).items()},
+            "machine_cpu_ms_per_step": machine_cpu(d),
         }
         for m, d in results.items()
     }

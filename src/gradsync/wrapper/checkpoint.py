@@ -43,8 +43,9 @@ def restore_layout(
         reducer.iteration = state["iterations"]
     if auto is not None and state["plan"] is not None and state["plan"].kept is not None:
         auto.plan = state["plan"]  # decided; a trial cut short by the stop starts over
-        if reducer is not None and auto.plan.tail is not None:  # the saved layout is cut so
-            reducer.send_tail_first(*auto.plan.tail)  # and its chunks go in that order
+        if reducer is not None and (tail := auto.plan.tail_settings) is not None:
+            # the saved layout is cut so, and its chunks go in that order
+            reducer.send_tail_first(tail[0], tail[1], credit=tail[2])
 
 
 def _hook_state_to_save(reducer: Reducer | None) -> dict[str, Any] | None:

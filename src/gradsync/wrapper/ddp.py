@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import threading
 import warnings
 import weakref
@@ -253,7 +254,8 @@ class DistributedDataParallel(_Base):
         return dict(self.reducer.last_unused_report) if self.reducer is not None else {}
 
     def overlap_optimizer(self, optimizer: torch.optim.Optimizer, tail_mb: float | None = None,
-                          chunk_mb: float | None = None) -> OverlappedOptimizer:
+                          chunk_mb: float | None = None,
+                          credit_mb: float | None = None) -> OverlappedOptimizer:
         """Step `optimizer` per bucket as each bucket's averages land, and let the next forward
         start on what has landed; use what this returns in its place, in the same loop
         (`loss.backward(); opt.step(); opt.zero_grad()`).
@@ -261,8 +263,9 @@ class DistributedDataParallel(_Base):
         Buckets landed by the end of backward are stepped there, the rest in the next forward,
         each where one of its parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
-        chunks of `chunk_mb` MiB (`ReducerConfig.priority_tail_bytes`; None: the measured
-        defaults, `overlap.DEFAULT_TAIL_MB` and `DEFAULT_CHUNK_MB`, which with
+        chunks of `chunk_mb` MiB, at most `credit_mb` MiB of them reducing at once (0: all;
+        `ReducerConfig.priority_tail_bytes`, `credit_bytes`; None: the measured defaults,
+        `overlap.DEFAULT_TAIL_MB`, `DEFAULT_CHUNK_MB` and `DEFAULT_CREDIT_MB`, which with
         `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
         forward runs over the communication still in flight. `step()` returns at once. Read
         parameters or gradients between `step()` and the next forward after `opt.wait()`.
@@ -271,13 +274,14 @@ class DistributedDataParallel(_Base):
         optimizer state equal torch's DDP with `optimizer` stepped after backward.
         Every rank must call it alike."""
         reducer = self._reducer_for("overlap_optimizer")
-        tail, chunk = tail_bytes(tail_mb, chunk_mb)
+        tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
         plan = self.bucket_plan()
-        if tail_mb is None and chunk_mb is None and plan is not None and plan.tail is not None:
-            tail, chunk = plan.tail  # the planner's (a checkpoint's): bucket_cap_mb="auto"
-        agree_on_tail(self.process_group, tail, chunk)
+        if (tail_mb is None and chunk_mb is None and credit_mb is None and plan is not None
+                and plan.tail_settings is not None):
+            tail, chunk, credit = plan.tail_settings  # the planner's (a checkpoint's)
+        agree_on_tail(self.process_group, tail, chunk, credit)
         overlapped = OverlappedOptimizer(reducer, optimizer)
-        reducer.send_tail_first(tail, chunk)
+        reducer.send_tail_first(tail, chunk, credit=credit)
         return overlapped
 
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
@@ -500,6 +504,8 @@ class DistributedDataParallel(_Base):
     def check_parameters_in_sync(self) -> None:
         """Raise ParameterDivergenceError on every rank if the replicas differ (a collective:
         call it on every rank at the same point)."""
+        if self.reducer is not None:  # buckets still landing (overlap_optimizer): stepped first
+            self.reducer.land()
         check_parameters_in_sync(list(self.module.named_parameters()), self.process_group)
 
     def enable_divergence_check(self, every: int = 100) -> None:
@@ -555,6 +561,17 @@ class DistributedDataParallel(_Base):
             raise ValueError(f"unknown built-in communication hook {comm_hook_type!r}; "
                              f"known: {list(hooks)}")
         self.register_comm_hook(self.process_group, hooks[comm_hook_type])
+
+    def to_kwargs(self, inputs: tuple, kwargs: dict | None,
+                  device_id: int) -> tuple[tuple, tuple]:
+        """torch's (kept there for old callers): `inputs` and `kwargs` moved to device
+        `device_id` of the module's device type, each wrapped in a one-element tuple."""
+        from torch.nn.parallel.distributed import _to_kwargs
+
+        param = next(self.module.parameters(), None)
+        device_type = param.device.type if param is not None else "cpu"
+        side_stream = os.environ.get("PYTORCH_DDP_USE_SIDE_STREAM", "1") == "1"
+        return _to_kwargs(inputs, kwargs, torch.device(device_type, device_id), side_stream)
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts the buffers (torch's name)."""

@@ -18,7 +18,10 @@ differs, and is refused rather than silently wrong:
 - Every synchronised backward steps. Accumulate under `no_sync()` (torch's way); a second
   synchronised backward with no `step()` since the last raises, naming the fix.
 - Between backward and the next forward the parameters and `.grad` may still be landing: read
-  them after `opt.wait()` (an EMA, a logged norm). A gradient changed before `step()` (torch's
+  them after `opt.wait()` (an EMA, a logged norm). With `GRADSYNC_DEBUG=DETAIL`, a torch
+  function given a parameter still landing between `step()` and the next forward raises,
+  naming it (`_ReadGuard`); a read through memory taken earlier (a view or `.data` kept from
+  before, `.data_ptr()`, numpy) is not seen. A gradient changed before `step()` (torch's
   `clip_grad_norm_`, `GradScaler.unscale_`) comes too late for a step decided by the reduced
   values: `step()` or the landing raises. `torch.amp.GradScaler` is refused at its `step`,
   before any parameter has moved: until the first `step()` no bucket is stepped on landing,
@@ -31,23 +34,27 @@ differs, and is refused rather than silently wrong:
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
 import torch
 from torch.optim import Optimizer
+from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
 from ..engine.reducer import Reducer
+from ..observability.log import detail_enabled
 
-__all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_TAIL_MB", "OverlappedOptimizer", "agree_on_tail",
-           "tail_bytes"]
+__all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_TAIL_MB", "OverlappedOptimizer",
+           "agree_on_tail", "tail_bytes"]
 
 # Measured on the emulated cluster (docs/benchmarks/2026-12-06-overlap-optimizer.md).
 DEFAULT_TAIL_MB = 4.0
 DEFAULT_CHUNK_MB = 1.0
+DEFAULT_CREDIT_MB = 0.0  # the whole tail at once; the planner tries one chunk at a time
 
 _Held = tuple[torch.Tensor, "torch.Tensor | None", int]  # a parameter, its gradient, its version
 
@@ -87,8 +94,14 @@ class OverlappedOptimizer(Optimizer):
         # The groups' settings (lr...) when `step()` was called: the buckets landing after it
         # are stepped with them, not with what an LR scheduler has set since.
         self._settings: list[dict[str, Any]] = []
-        reducer.step_each_bucket(_Stepper(self), lazily=True)
-        weakref.finalize(self, _detach, reducer)
+        self._own = _Own()  # gradsync's own calls in progress: the read guard lets them be
+        self._guard: _ReadGuard | None = None  # GRADSYNC_DEBUG=DETAIL only (`_guard_reads`)
+        stepper = _Stepper(self)
+        reducer.step_each_bucket(stepper, lazily=True)
+        # Where the guard may come off the mode stack: every bucket landed, a forward's end.
+        reducer.on_use_ended = stepper.release_guard
+        finished = reducer.register_finish_hook(stepper.release_guard)
+        weakref.finalize(self, _detach, reducer, finished)
 
     # ------------------------------------------------------------------ the optimizer's face
 
@@ -117,9 +130,10 @@ class OverlappedOptimizer(Optimizer):
         landing = {id(p) for index in self._pending for p, _, _ in self._pending[index]}
         for index in self._pending:
             self._zero_after[index] = set_to_none
-        self._with_groups([[p for p in g["params"] if id(p) not in landing]
-                           for g in self.optimizer.param_groups],
-                          lambda: self.optimizer.zero_grad(set_to_none))
+        with self._own:
+            self._with_groups([[p for p in g["params"] if id(p) not in landing]
+                               for g in self.optimizer.param_groups],
+                              lambda: self.optimizer.zero_grad(set_to_none))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.wait()
@@ -155,13 +169,16 @@ class OverlappedOptimizer(Optimizer):
         reducer = self._reducer()
         self._acknowledged, self._stepped = (reducer.iteration if reducer else None), []
         self._steps.add(self._acknowledged)  # type: ignore[arg-type]
+        self._guard_reads()
 
     def wait(self) -> None:
         """Land and step every bucket still landing: call before reading parameters or
         gradients between `step()` and the next forward (the next forward does it itself)."""
         reducer = self._reducer()
         if reducer is not None:
-            reducer.land()
+            with self._own:
+                reducer.land()
+        self._release_guard()
 
     def _backward_ended(self, pending: Sequence[Bucket]) -> None:
         reducer = self._reducer()
@@ -226,6 +243,8 @@ class OverlappedOptimizer(Optimizer):
         self._iteration, self._stepped, self._deferred = number, [], []
         # what an iteration dropped before all its buckets landed (an error) left behind
         self._pending, self._versions, self._resets, self._zero_after = {}, {}, {}, {}
+        if self._guard is not None:  # its buckets' indices mean other buckets after a rebuild
+            self._guard.disarm()
 
     def _subsets_of(self, bucket: Bucket) -> list[list[torch.Tensor]]:
         """Per group of the optimizer, its parameters in `bucket`."""
@@ -269,6 +288,174 @@ class OverlappedOptimizer(Optimizer):
         return [[p for p in g["params"] if id(p) not in self._in_buckets]
                 for g in self.optimizer.param_groups]
 
+    # ------------------------------------------------------------------ the read guard
+
+    def _guard_reads(self) -> None:
+        """GRADSYNC_DEBUG=DETAIL: until the buckets still landing have landed, a torch function
+        given one of their parameters raises (`_ReadGuard`). Pushed here, on the caller's
+        thread, rather than where backward ends: the autograd engine puts back the mode stack
+        it found once backward is over, dropping a mode pushed inside it. One guard at most:
+        one left on the stack (under a mode of the user's) is armed again."""
+        if not detail_enabled():
+            self._release_guard()  # DETAIL turned off since: nothing new, the old one goes
+            return
+        watched = {id(p): index for index, held in self._pending.items() for p, _, _ in held}
+        if not watched:
+            self._release_guard()
+            return
+        guard = self._guard if self._guard is not None and _on_stack(self._guard) else None
+        if guard is None:
+            guard = self._guard = _ReadGuard(self)
+            _push_at_bottom(guard)
+        guard.arm(watched)
+
+    def _release_guard(self) -> None:
+        """Pop the read guard once nothing it watches is still landing, where it is on top of
+        the mode stack; under a mode pushed since, it stays, inert, until a later call finds it
+        on top. Not inside backward (the engine puts the stack back as it was, the pop too) nor
+        inside the forward's `LandOnUse` (above it; its exit calls this again)."""
+        guard = self._guard
+        if guard is None or guard.watching() or torch._C._current_graph_task_id() != -1:
+            return
+        reducer = self._reducer()
+        if reducer is not None and reducer.on_use is not None:
+            return
+        depth = torch._C._len_torch_function_stack()
+        if depth and torch._C._get_function_stack_at(depth - 1) is guard:
+            torch._C._pop_torch_function_stack()
+            self._guard = None
+        elif not _on_stack(guard):  # popped by someone else (a `with` block of the user's)
+            self._guard = None
+
+    def _read_error(self, func: Callable, params: list[torch.Tensor]) -> RuntimeError:
+        return RuntimeError(_READ_PENDING.format(
+            function=_function_name(func), names=self._named([(p, None) for p in params])))
+
+
+class _Own:
+    """gradsync's own calls in progress (landing, stepping, waiting, zeroing), counted: the read
+    guard lets them read the parameters of buckets still landing, which they do on purpose."""
+
+    __slots__ = ("depth",)
+
+    def __init__(self) -> None:
+        self.depth = 0
+
+    def __enter__(self) -> None:
+        self.depth += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.depth -= 1
+
+
+# Metadata and identity, not values: what gradsync's own checks, `model.zero_grad()` (a
+# supported clear of `.grad`) and `model.parameters()` use on any parameter. The `.data`
+# property is a read: the tensor it gives shares the parameter's memory, out of the guard's
+# sight from then on.
+_DATA = torch._C.TensorBase.__dict__["data"]
+_METADATA = frozenset({
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.ndimension, torch.Tensor.numel,
+    torch.Tensor.nelement, torch.Tensor.stride, torch.Tensor.storage_offset,
+    torch.Tensor.is_contiguous, torch.Tensor.element_size, torch.Tensor.data_ptr,
+    torch.Tensor.__len__, torch.Tensor.requires_grad_, torch.Tensor.register_hook,
+})
+
+
+def _metadata(func: Callable) -> bool:
+    """Whether `func` reads no parameter's values: a property (`.grad`, `.device`, `.shape`)
+    other than `.data`, or one of `_METADATA`."""
+    if getattr(func, "__name__", "") in ("__get__", "__set__"):
+        return getattr(func, "__self__", None) is not _DATA
+    try:
+        return func in _METADATA
+    except TypeError:  # unhashable
+        return False
+
+
+class _ReadGuard(TorchFunctionMode):
+    """GRADSYNC_DEBUG=DETAIL, from `step()` until every bucket still landing has landed: a
+    torch function given a parameter of one of those buckets raises, naming it, instead of
+    reading the values from before the step (an EMA, a logged norm: `opt.wait()` first). What
+    gradsync does itself passes: the wrapper's forward (`LandOnUse` lands each bucket first),
+    the landing and stepping, `wait()`, `zero_grad()`. Inert once nothing it watches is landing;
+    `OverlappedOptimizer._release_guard` pops it from the mode stack."""
+
+    def __init__(self, optimizer: OverlappedOptimizer) -> None:
+        super().__init__()
+        self._optimizer = weakref.ref(optimizer)
+        self.watched: dict[int, int] = {}  # id(parameter) -> its bucket's index
+        self._buckets: frozenset[int] = frozenset()  # those indices
+
+    def arm(self, watched: dict[int, int]) -> None:
+        self.watched, self._buckets = watched, frozenset(watched.values())
+
+    def disarm(self) -> None:
+        self.watched, self._buckets = {}, frozenset()
+
+    def watching(self) -> bool:
+        """Whether a bucket it watches is still landing; disarmed for good once none is."""
+        optimizer = self._optimizer()
+        pending = optimizer._pending if optimizer is not None else {}
+        if self.watched and not any(index in pending for index in self._buckets):
+            self.disarm()
+        return bool(self.watched)
+
+    def __torch_function__(self, func: Callable, types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if self.watched and not _metadata(func):  # armed: never once every bucket landed
+            self._check(func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _check(self, func: Callable, args: tuple, kwargs: dict) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None:
+            return
+        reducer = optimizer._reducer()
+        if optimizer._own.depth or (reducer is not None and reducer.on_use is not None):
+            return
+        if read := self._landing(args, kwargs, optimizer._pending):
+            raise optimizer._read_error(func, read)
+
+    def _landing(self, args: tuple, kwargs: dict, pending: dict) -> list[torch.Tensor]:
+        """The arguments (inside lists and tuples too) that are watched parameters still
+        landing, each once."""
+        watched, found, seen = self.watched, [], set[int]()
+        for arg in itertools.chain(args, kwargs.values()):
+            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                key = id(item)
+                if key in watched and watched[key] in pending and key not in seen:
+                    seen.add(key)
+                    found.append(item)
+        return found
+
+
+def _function_name(func: Callable) -> str:
+    """`torch.Tensor.add_`, `torch.stack`, `torch.Tensor.data` (the property)."""
+    owner = getattr(func, "__self__", None)
+    if getattr(func, "__name__", "") in ("__get__", "__set__") and owner is not None:
+        return f"torch.Tensor.{getattr(owner, '__name__', '?')}"
+    try:
+        return resolve_name(func) or repr(func)
+    except TypeError:  # unhashable: not in torch's tables
+        return repr(func)
+
+
+def _push_at_bottom(mode: TorchFunctionMode) -> None:
+    """Push `mode` under every mode on torch's function-mode stack: a `with` block of the
+    user's open around `step()` then pops its own mode when it exits (a mode exits by popping
+    the top, whatever it is), not this one. The modes above are put back as they were."""
+    above = [torch._C._pop_torch_function_stack()
+             for _ in range(torch._C._len_torch_function_stack())]
+    torch._C._push_on_torch_function_stack(mode)
+    for other in reversed(above):
+        torch._C._push_on_torch_function_stack(other)
+
+
+def _on_stack(mode: TorchFunctionMode) -> bool:
+    return any(torch._C._get_function_stack_at(i) is mode
+               for i in range(torch._C._len_torch_function_stack()))
+
 
 def _version(grad: torch.Tensor | None) -> int:
     return -1 if grad is None else grad._version
@@ -282,42 +469,56 @@ class _Stepper:
 
     def backward_ended(self, pending: Sequence[Bucket]) -> None:
         if (optimizer := self._optimizer()) is not None:
-            optimizer._backward_ended(pending)
+            with optimizer._own:
+                optimizer._backward_ended(pending)
 
     def landing(self, bucket: Bucket) -> None:
         if (optimizer := self._optimizer()) is not None:
-            optimizer._landing(bucket)
+            with optimizer._own:
+                optimizer._landing(bucket)
 
     def written(self, bucket: Bucket) -> None:
         if (optimizer := self._optimizer()) is not None:
-            optimizer._written(bucket)
+            with optimizer._own:
+                optimizer._written(bucket)
+
+    def release_guard(self) -> None:
+        """Every bucket landed, or a forward's `LandOnUse` exited: the read guard may go."""
+        if (optimizer := self._optimizer()) is not None and optimizer._guard is not None:
+            optimizer._release_guard()
 
 
-def _detach(reducer: Reducer) -> None:
+def _detach(reducer: Reducer, finished: Any) -> None:
     reducer.step_each_bucket(None)
+    reducer.on_use_ended = None
+    finished.remove()
 
 
-def tail_bytes(tail_mb: float | None, chunk_mb: float | None) -> tuple[int, int]:
-    """(tail, chunk) in bytes, from MiB (None: the defaults), checked."""
+def tail_bytes(tail_mb: float | None, chunk_mb: float | None,
+               credit_mb: float | None = None) -> tuple[int, int, int]:
+    """(tail, chunk, credit) in bytes, from MiB (None: the defaults), checked."""
     sizes = []
     for name, value, default in (("tail_mb", tail_mb, DEFAULT_TAIL_MB),
-                                 ("chunk_mb", chunk_mb, DEFAULT_CHUNK_MB)):
+                                 ("chunk_mb", chunk_mb, DEFAULT_CHUNK_MB),
+                                 ("credit_mb", credit_mb, DEFAULT_CREDIT_MB)):
         value = default if value is None else value
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"overlap_optimizer({name}={value!r}): expected a size in MiB >= 0")
         sizes.append(int(value * 2**20))
-    return sizes[0], sizes[1]
+    return sizes[0], sizes[1], sizes[2]
 
 
-def agree_on_tail(group: Any, tail: int, chunk: int) -> None:
-    """Every rank must cut and order the buckets alike: a difference would pair different
-    buckets' collectives across ranks. Raised on every rank, naming them, before any is sent."""
-    everyone = cast(list[tuple[int, int]], all_gather_objects(group, (tail, chunk)))
+def agree_on_tail(group: Any, tail: int, chunk: int, credit: int = 0) -> None:
+    """Every rank must cut and order the buckets alike, and hold the same chunks back: a
+    difference would pair different buckets' collectives across ranks. Raised on every rank,
+    naming them, before any is sent."""
+    everyone = cast(list[tuple[int, int, int]],
+                    all_gather_objects(group, (tail, chunk, credit)))
     if len(set(everyone)) > 1:
-        shown = ", ".join(f"rank {r}: tail {t} B, chunk {c} B"
-                          for r, (t, c) in enumerate(everyone))
+        shown = ", ".join(f"rank {r}: tail {t} B, chunk {c} B, credit {k} B"
+                          for r, (t, c, k) in enumerate(everyone))
         raise ValueError(f"overlap_optimizer: the ranks asked for different tails ({shown}); "
-                         "pass the same tail_mb and chunk_mb on every rank")
+                         "pass the same tail_mb, chunk_mb and credit_mb on every rank")
 
 
 def _check_steps_per_parameter(optimizer: object) -> None:
@@ -360,6 +561,14 @@ _ACCUMULATED = (
     "with overlap_optimizer every synchronised backward steps the parameters, at its end. "
     "Accumulate gradients under model.no_sync() (the backwards that do not step), as with "
     "torch's DDP, or use the plain optimizer to accumulate across synchronised backwards."
+)
+_READ_PENDING = (
+    "OverlappedOptimizer (GRADSYNC_DEBUG=DETAIL): {function} was given the parameters {names}, "
+    "still being updated by the overlapped step: their bucket has not landed yet, so this "
+    "reads the values from before this step (a write would mix with the step). Call "
+    "opt.wait() before reading parameters between step() and the next forward (an EMA, a "
+    "logged norm); the wrapper's own forward, its state_dict() and opt.wait() wait by "
+    "themselves."
 )
 _GRAD_SCALER = (
     "OverlappedOptimizer: torch.amp.GradScaler needs every gradient unscaled and checked for "

@@ -40,7 +40,7 @@ __all__ = [
 # torch's methods that need nothing of its constructor's state; inherited as they are.
 _INHERITED = frozenset({
     "_get_active_ddp_module", "_get_data_parallel_params", "_active_ddp_module", "scatter",
-    "gather", "to_kwargs", "train", "broadcast_buffers", "_distributed_rank",
+    "gather", "train", "broadcast_buffers", "_distributed_rank",
 })
 
 
