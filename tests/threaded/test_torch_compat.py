@@ -73,6 +73,29 @@ def test_to_kwargs_moves_inputs_as_torchs_does():
         assert repr(ours) == repr(theirs) and repr(ours).startswith("(((tensor([1., 1.]")
 
 
+@pytest.mark.parametrize("kwargs", [
+    {"broadcast_buffers": False},
+    {"broadcast_buffers": True, "forward_sync_buffers": True},
+    {"check_reduction": True},
+])
+def test_deprecated_arguments_warn_as_torchs_do(kwargs):
+    import warnings
+
+    def body(rank, group):
+        for cls in (GradsyncDDP, TorchDDP):
+            cls(seeded(Switch, 0), process_group=group, **kwargs)
+
+    # Recorded here: catch_warnings swaps a global, so not inside the rank threads.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_threaded(body, 2, timeout=60)
+    name = next(iter(kwargs))
+    future = [str(w.message) for w in caught
+              if w.category is FutureWarning and name in str(w.message)]
+    ours = [m for m in future if m.startswith(f"DistributedDataParallel({name}=")]
+    assert len(ours) == 2 and len(future) == 4, future  # each rank: ours, and torch's
+
+
 # --------------------------------------------------------------------- torch's names
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from typing import Any
 
 import torch
@@ -198,7 +199,18 @@ def resolve_devices(
 
 
 def buffer_policy(broadcast_buffers: bool | None, forward_sync: bool | None) -> tuple[bool, bool]:
-    """(sync buffers at each forward, sync buffers at construction), as torch 2.13 decides."""
+    """(sync buffers at each forward, sync buffers at construction), as torch 2.13 decides,
+    with its FutureWarning for `broadcast_buffers` (deprecated there in 2.13)."""
+    if broadcast_buffers is not None and forward_sync is not None:
+        warnings.warn("DistributedDataParallel(broadcast_buffers=...) is deprecated in torch "
+                      "2.13, and ignored since forward_sync_buffers was given too",
+                      FutureWarning, stacklevel=3)
+    elif broadcast_buffers is not None:
+        warnings.warn("DistributedDataParallel(broadcast_buffers=...) is deprecated in torch "
+                      "2.13: pass forward_sync_buffers instead (forward_sync_buffers=False still "
+                      "broadcasts the buffers once at construction, which broadcast_buffers=False "
+                      "does not: keep broadcast_buffers=False for buffers that must stay "
+                      "rank-local)", FutureWarning, stacklevel=3)
     if forward_sync is not None:
         return forward_sync, True
     effective = True if broadcast_buffers is None else broadcast_buffers

@@ -141,6 +141,10 @@ class DistributedDataParallel(_Base):
         self.batched_grad_copy = bool(batched_grad_copy)
         self.forward_sync_buffers, init_buffers = buffer_policy(broadcast_buffers,
                                                                 forward_sync_buffers)
+        if check_reduction:  # as torch 2.13: accepted, unused, deprecated
+            warnings.warn("DistributedDataParallel(check_reduction=True) is deprecated in torch "
+                          "and does nothing: a reduction always completes, parameters without "
+                          "a gradient included; leave it out", FutureWarning, stacklevel=2)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
