@@ -475,11 +475,14 @@ PARITY = {
     "find_unused_parameters": {"find_unused_parameters": True, "branch": True},
     "static graph": {"static_graph": True},
     "no_sync": {"no_sync": True},
-    "BatchNorm buffers": {"broadcast_buffers": True},
+    "BatchNorm buffers": {"forward_sync_buffers": True},
     "ZeRO-2 (sharded gradients, SGD momentum)": {"zero": True},
     "ZeRO-2 stepping inside backward (overlap_with_ddp)": {"zero": True, "inside": True},
     # each bucket stepped as it lands, against torch's DDP + the same SGD after backward
     "overlap_optimizer (SGD momentum, small buckets)": {"overlap": True, "bucket_cap_mb": 0.01},
+    # ... with the tail in chunks, one reducing at a time (tail_mb, chunk_mb, credit_mb)
+    "overlap_optimizer (tail in chunks, a credit of one)": {
+        "overlap": True, "bucket_cap_mb": 0.01, "tail": (0.02, 0.002, 0.002)},
 }
 B_STEPS, B_LR, B_MOMENTUM = 5, 0.05, 0.9
 COLLECTIVE_TIMEOUT = 30.0  # s, each case's groups: a case that hangs fails alone
@@ -517,6 +520,7 @@ def _train(
     # torch's side: plain SGD
     zero = spec.pop("zero", False) and cls is gradsync.DistributedDataParallel
     overlap = spec.pop("overlap", False) and cls is gradsync.DistributedDataParallel
+    tail = spec.pop("tail", ())
     inside, warm_up = spec.pop("inside", False), spec.pop("warm_up", False)
     model = seeded(Branchy, 0).to(device)
     if mixed:  # torch's DDP policy, taken by both (torch's needs device events: CUDA only)
@@ -557,7 +561,7 @@ def _train(
         else torch.optim.SGD(model.parameters(), lr=B_LR, momentum=B_MOMENTUM)
     )
     if overlap:
-        opt = ddp.overlap_optimizer(opt)
+        opt = ddp.overlap_optimizer(opt, *tail)
     gen = torch.Generator().manual_seed(rank)
     for step in range(B_STEPS):
         opt.zero_grad(set_to_none=True)
