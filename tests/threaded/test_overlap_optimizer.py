@@ -538,3 +538,35 @@ def test_the_planner_tries_tails_once_the_layout_is_decided_alike_on_every_rank(
     assert tails0[-1] == plan0.tail[0] and "tail" in str(plan0)
     for rank, (mine, want) in enumerate(zip(ours, theirs)):
         _assert_same(mine[0], want, f"rank {rank}")
+
+
+def test_called_mid_run_with_powersgd_keeps_the_hooks_buckets_and_trains_as_the_plain_one():
+    # A hook runs over the buckets by index, so the tail is not cut: PowerSGD's error feedback,
+    # kept per bucket, stays valid when overlap_optimizer comes after its start iteration.
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    def train(rank, group, overlap_at):
+        model = seeded(MODELS["many_small"], 0)
+        ddp = GradsyncDDP(model, process_group=group, bucket_cap_mb=0.0005)
+        state = psgd.PowerSGDState(process_group=group, matrix_approximation_rank=1,
+                                   start_powerSGD_iter=2, min_compression_rate=0.1,
+                                   random_seed=0)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        layouts = []
+        for i, batch in enumerate(make_batches(6, 2, per_rank=4)):
+            if i == overlap_at:
+                opt = ddp.overlap_optimizer(opt, tail_mb=0.0004, chunk_mb=0.00005)
+            ddp(batch.chunk(2)[rank]).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            layouts.append(ddp.reducer.bucket_indices)
+        getattr(opt, "wait", lambda: None)()
+        return [p.detach().clone() for p in model.parameters()], layouts
+
+    def body(rank, group):
+        return train(rank, group, overlap_at=4), train(rank, group, overlap_at=None)
+
+    for (params, layouts), (want, _) in run_threaded(body, 2, timeout=120):
+        assert layouts[3] == layouts[4] == layouts[-1]  # not cut again for the tail
+        assert all(torch.equal(a, b) for a, b in zip(params, want))

@@ -157,7 +157,9 @@ class Reducer:
 
     def _install(self, layout: list[list[int]]) -> None:
         order, tail = None, self.config.priority_tail_bytes
-        if tail and self._bucket_set.shards is None:
+        # A communication hook runs over the buckets by index, so the tail would not go first:
+        # not cut, and a hook's state kept per bucket (PowerSGD's) stays valid.
+        if tail and self._bucket_set.shards is None and self._settings.comm_hook is None:
             layout, order = layouts.priority_tail(layout, self.params, self.expect_sparse_gradient,
                                                   tail, self.config.chunk_bytes)
         self._bucket_set.install(layout, self.config.gradient_as_bucket_view)
