@@ -335,6 +335,7 @@ def test_the_overlapped_optimizer_makes_no_device_call_per_gradient_and_never_wa
                 torch.testing.assert_close(params[name], want, rtol=0, atol=0)
     assert counts[8] == counts[16] == counts[32], counts
     # As without the optimizer, and per bucket two more: its write-back and step, timed (the
-    # trace's "write-back and step" track).
-    assert counts[8]["record"] == 4 + 3 * 4 + 2 * 4, counts[8]
+    # trace's "write-back and step" track); per iteration one more: backward's return, which
+    # the planner's trials time the step to.
+    assert counts[8]["record"] == 4 + 1 + 3 * 4 + 2 * 4, counts[8]
     assert counts[8]["query"] == counts[8]["elapsed_time"] == 0, counts[8]  # nothing read back

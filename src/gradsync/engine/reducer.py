@@ -44,7 +44,7 @@ from . import missing, shadow, static_graph
 from .bucket import Bucket
 from .bucket_set import BucketSet
 from .bucket_shard import ReduceBy
-from .bucketing import validate_bucket_indices
+from .bucketing import compute_bucket_assignment_by_size, validate_bucket_indices
 from .comm import CommHook, check_registration
 from .config import ReducerConfig
 from .device import CudaCalls, DeviceCalls
@@ -601,6 +601,25 @@ class Reducer:
             self.install_layout(layout)
         elif not self.sharded:
             self._install(self.bucket_indices)
+
+    def recap_buckets(self, limits: Sequence[int]) -> None:
+        """Cap the buckets at `limits` (bytes, as `ReducerConfig.rebuild_bucket_size_limits`)
+        from now on, in the order they are laid out: the one-time rebuild in ready order takes
+        them, or, once it has happened, the layout in place is cut again in its own order (not
+        under a communication hook, whose state may be kept per bucket, as PowerSGD's is).
+        Between iterations; every rank alike."""
+        self.land()
+        if self.phase in (Phase.BACKWARD, Phase.LAUNCHED):
+            raise RuntimeError("recap_buckets: an iteration is still being reduced")
+        if not self._needs_rebuild and self._settings.comm_hook is not None:
+            return
+        self.config = dataclasses.replace(self.config, rebuild_bucket_size_limits=tuple(limits))
+        if self._needs_rebuild or self.sharded:
+            return
+        order = [i for bucket in self.bucket_indices for i in bucket]
+        layout, _ = compute_bucket_assignment_by_size(
+            [self.params[i] for i in order], list(limits), self.expect_sparse_gradient, order)
+        self.install_layout(layout)
 
     def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call `hook()` each time a synchronised backward has been finished here: every

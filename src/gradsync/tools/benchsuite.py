@@ -259,16 +259,17 @@ def _make_variant(
 def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool = True,
               optimizer: str = "sgd", names: tuple[str, ...] = VARIANTS) -> dict:
     models: dict[str, nn.Module] = {}
-    cpu: dict[str, list[tuple[float, float]]] = {}
+    cpu: dict[str, list[tuple[float, ...]]] = {}
     variants = {v: _make_variant(v, model_name, rank, repeat, models, cpu, optimizer)
                 for v in names}
-    # Warm-up long enough for "auto" to measure, plan and finish its trial before timing starts
+    # Warm-up (two rounds: the rebuild after the first iteration), long enough with planned
+    # variants for "auto" to measure, plan and finish its trial before timing starts
     # (every variant trains the same steps, so all still end with the same parameters). A smoke
     # run (`settle=False`) times planned buckets mid-trial: it checks that they run and stay exact.
-    planner = AutoBuckets()
-    settles = 0 if not settle else (planner.tail_decided_by if "gradsync overlap planned" in names
-                                    else planner.decided_by)
-    result = interleave(variants, rounds=rounds, warmup=max(1, math.ceil(settles / repeat)))
+    planner, planned = AutoBuckets(), [v for v in names if "planned" in v]
+    settles = 0 if not (settle and planned) else (
+        planner.tail_decided_by if "gradsync overlap planned" in planned else planner.decided_by)
+    result = interleave(variants, rounds=rounds, warmup=max(2, math.ceil(settles / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["torch DDP"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]

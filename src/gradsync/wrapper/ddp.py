@@ -70,7 +70,7 @@ from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
 from .module_guards import UnsynchronisedGradients, check_outputs_hold_tensors
-from .overlap import OverlappedOptimizer, agree_on_tail, tail_bytes
+from .overlap import DEFAULT_OVERLAP_BUCKET_MB, OverlappedOptimizer, agree_on_tail, tail_bytes
 from .torch_compat import (
     TorchDDP,
     TorchNamedReducer,
@@ -264,6 +264,9 @@ class DistributedDataParallel(_Base):
         start on what has landed; use what this returns in its place, in the same loop
         (`loss.backward(); opt.step(); opt.zero_grad()`).
 
+        With `bucket_cap_mb` left out, the buckets are capped at
+        `overlap.DEFAULT_OVERLAP_BUCKET_MB` (4 MiB) instead of torch's 25 MiB: each is stepped as
+        it lands, and smaller ones start reducing earlier in backward.
         Buckets landed by the end of backward are stepped there, the rest in the next forward,
         each where one of its parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
@@ -285,6 +288,11 @@ class DistributedDataParallel(_Base):
             tail, chunk, credit = plan.tail_settings  # the planner's (a checkpoint's)
         agree_on_tail(self.process_group, tail, chunk, credit)
         overlapped = OverlappedOptimizer(reducer, optimizer)
+        if getattr(self, "_default_caps", False) and not reducer.sharded:
+            # Buckets land and are stepped one by one: smaller ones start reducing earlier in
+            # backward and leave less of the last one in front of the tail (measured:
+            # docs/benchmarks/2026-12-06-overlap-buckets.md). Set bucket_cap_mb to keep others.
+            reducer.recap_buckets((self._limits[0][0], int(DEFAULT_OVERLAP_BUCKET_MB * 2**20)))
         reducer.send_tail_first(tail, chunk, credit=credit)
         return overlapped
 
@@ -305,6 +313,7 @@ class DistributedDataParallel(_Base):
         # "auto": measure, probe the network and plan the layout (gradsync.planning.planner).
         self._auto = AutoBuckets() if cap_mb == "auto" else None
         self._limits = bucket_limits(None if self._auto else cap_mb, cap_mb_list)  # type: ignore[arg-type]
+        self._default_caps = cap_mb is None and not cap_mb_list  # torch's 25 MiB: none given
         self._delay_args = (delay_named, delay_trigger)
         self._delayed = DelayedAllReduce.from_arguments(self.module, *self._delay_args,
                                                         self.process_group)

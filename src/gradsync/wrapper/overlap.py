@@ -48,13 +48,15 @@ from ..engine.collectives import all_gather_objects
 from ..engine.reducer import Reducer
 from ..observability.log import detail_enabled
 
-__all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_TAIL_MB", "OverlappedOptimizer",
-           "agree_on_tail", "tail_bytes"]
+__all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_OVERLAP_BUCKET_MB", "DEFAULT_TAIL_MB",
+           "OverlappedOptimizer", "agree_on_tail", "tail_bytes"]
 
 # Measured on the emulated cluster (docs/benchmarks/2026-12-06-overlap-optimizer.md).
 DEFAULT_TAIL_MB = 4.0
 DEFAULT_CHUNK_MB = 1.0
 DEFAULT_CREDIT_MB = 0.0  # the whole tail at once; the planner tries one chunk at a time
+# The buckets' cap where bucket_cap_mb was left out (torch's 25 MiB otherwise).
+DEFAULT_OVERLAP_BUCKET_MB = 4.0
 
 _Held = tuple[torch.Tensor, "torch.Tensor | None", int]  # a parameter, its gradient, its version
 
