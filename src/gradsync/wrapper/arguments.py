@@ -36,6 +36,7 @@ __all__ = [
     "resolve_devices",
     "resolve_group",
     "trainable_parameters",
+    "warn_deprecated",
 ]
 
 
@@ -198,9 +199,10 @@ def resolve_devices(
     return ids, torch.device(output_device) if output_device is not None else ids[0]
 
 
-def buffer_policy(broadcast_buffers: bool | None, forward_sync: bool | None) -> tuple[bool, bool]:
-    """(sync buffers at each forward, sync buffers at construction), as torch 2.13 decides,
-    with its FutureWarning for `broadcast_buffers` (deprecated there in 2.13)."""
+def warn_deprecated(broadcast_buffers: bool | None, forward_sync: bool | None,
+                    check_reduction: bool) -> None:
+    """torch 2.13's FutureWarnings for the arguments it deprecates, where it gives them (the
+    arguments still work as they do there)."""
     if broadcast_buffers is not None and forward_sync is not None:
         warnings.warn("DistributedDataParallel(broadcast_buffers=...) is deprecated in torch "
                       "2.13, and ignored since forward_sync_buffers was given too",
@@ -211,6 +213,14 @@ def buffer_policy(broadcast_buffers: bool | None, forward_sync: bool | None) -> 
                       "broadcasts the buffers once at construction, which broadcast_buffers=False "
                       "does not: keep broadcast_buffers=False for buffers that must stay "
                       "rank-local)", FutureWarning, stacklevel=3)
+    if check_reduction:  # accepted and unused, in torch too
+        warnings.warn("DistributedDataParallel(check_reduction=True) is deprecated in torch "
+                      "and does nothing: a reduction always completes, parameters without "
+                      "a gradient included; leave it out", FutureWarning, stacklevel=3)
+
+
+def buffer_policy(broadcast_buffers: bool | None, forward_sync: bool | None) -> tuple[bool, bool]:
+    """(sync buffers at each forward, sync buffers at construction), as torch 2.13 decides."""
     if forward_sync is not None:
         return forward_sync, True
     effective = True if broadcast_buffers is None else broadcast_buffers

@@ -57,6 +57,7 @@ from .arguments import (
     resolve_devices,
     resolve_group,
     trainable_parameters,
+    warn_deprecated,
 )
 from .checkpoint import restore_hook_state, restore_layout, saved_state
 from .construction import (
@@ -137,14 +138,10 @@ class DistributedDataParallel(_Base):
         # torch skips sending parameters unused on every rank (its users promise the unused set
         # never changes); gradsync still sends their zeros. The results are the same.
         self.skip_all_reduce_unused_params = bool(skip_all_reduce_unused_params)
-        # batched_grad_copy changes only how copies are issued, never the result; accepted.
-        self.batched_grad_copy = bool(batched_grad_copy)
+        self.batched_grad_copy = bool(batched_grad_copy)  # how copies are issued: accepted
+        warn_deprecated(broadcast_buffers, forward_sync_buffers, check_reduction)
         self.forward_sync_buffers, init_buffers = buffer_policy(broadcast_buffers,
                                                                 forward_sync_buffers)
-        if check_reduction:  # as torch 2.13: accepted, unused, deprecated
-            warnings.warn("DistributedDataParallel(check_reduction=True) is deprecated in torch "
-                          "and does nothing: a reduction always completes, parameters without "
-                          "a gradient included; leave it out", FutureWarning, stacklevel=2)
         self.require_backward_grad_sync = True  # False inside no_sync()
         self.require_forward_param_sync = True
         self._divide_by_initial_world_size = True
