@@ -111,7 +111,7 @@ def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
     for model in summary.values():
         assert set(model["median_ms"]) == {
             "torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned",
-            "gradsync overlap",
+            "gradsync overlap", "gradsync overlap planned",
             "no overlap", "compute only",
         }
         assert max(model["max_param_diff_to_torch"].values()) <= 1e-3
