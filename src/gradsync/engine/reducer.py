@@ -60,7 +60,7 @@ from .unused import Accumulators, reachable_from, reachable_parameters
 from .used_map import UsedMap
 from .waits import StallMonitor, Waits
 
-__all__ = ["Phase", "Reducer", "StallMonitor", "find_tensors"]
+__all__ = ["Phase", "Reducer", "StallMonitor", "arguments_among", "find_tensors"]
 
 
 class Phase(enum.Enum):
@@ -806,15 +806,24 @@ class LandOnUse(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def _land_used(self, args: tuple, kwargs: dict) -> None:
-        bucket_of, hit = self.bucket_of, set[int]()
-        for arg in itertools.chain(args, kwargs.values()):
-            if isinstance(arg, (list, tuple)):
-                hit.update(bucket_of[id(a)] for a in arg if id(a) in bucket_of)
-            elif id(arg) in bucket_of:
-                hit.add(bucket_of[id(arg)])
-        if hit:
+        bucket_of = self.bucket_of
+        if hit := {bucket_of[id(a)] for a in arguments_among(args, kwargs, bucket_of)}:
             self.bucket_of = {k: v for k, v in bucket_of.items() if v not in hit}
             self.reducer.land(sorted(hit))
+
+
+def arguments_among(args: tuple, kwargs: dict, ids: Mapping[int, object]) -> list[Any]:
+    """The arguments of a torch function (inside lists and tuples too) whose `id` is a key of
+    `ids`, each once: the parameters a function is given (`LandOnUse`, and the overlapped
+    optimizer's read guard)."""
+    found, seen = [], set[int]()
+    for arg in itertools.chain(args, kwargs.values()):
+        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+            key = id(item)
+            if key in ids and key not in seen:
+                seen.add(key)
+                found.append(item)
+    return found
 
 
 def find_tensors(obj: object) -> list[torch.Tensor]:

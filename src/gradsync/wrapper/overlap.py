@@ -34,7 +34,6 @@ differs, and is refused rather than silently wrong:
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -45,7 +44,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
-from ..engine.reducer import Reducer
+from ..engine.reducer import Reducer, arguments_among
 from ..observability.log import detail_enabled
 
 __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_OVERLAP_BUCKET_MB", "DEFAULT_TAIL_MB",
@@ -422,14 +421,8 @@ class _ReadGuard(TorchFunctionMode):
     def _landing(self, args: tuple, kwargs: dict, pending: dict) -> list[torch.Tensor]:
         """The arguments (inside lists and tuples too) that are watched parameters still
         landing, each once."""
-        watched, found, seen = self.watched, [], set[int]()
-        for arg in itertools.chain(args, kwargs.values()):
-            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
-                key = id(item)
-                if key in watched and watched[key] in pending and key not in seen:
-                    seen.add(key)
-                    found.append(item)
-        return found
+        watched = self.watched
+        return [a for a in arguments_among(args, kwargs, watched) if watched[id(a)] in pending]
 
 
 def _function_name(func: Callable) -> str:
