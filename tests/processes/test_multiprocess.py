@@ -101,7 +101,7 @@ def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
     result = run_torchrun(
         "gradsync.tools.benchsuite",
         2,
-        ["--quick", "--out", str(tmp_path)],
+        ["--quick", "--overlap-tails", "50", "--out", str(tmp_path)],
         module=True,
         timeout=300,
     )
@@ -112,7 +112,7 @@ def test_bench_quick_runs_every_variant_and_checks_parameters(tmp_path):
         assert set(model["median_ms"]) == {
             "torch DDP", "torch DDP (again)", "gradsync", "gradsync as_view", "gradsync planned",
             "gradsync overlap", "gradsync overlap planned",
-            "no overlap", "compute only",
+            "no overlap", "compute only", "gradsync overlap, tail 50%",
         }
         assert max(model["max_param_diff_to_torch"].values()) <= 1e-3
         assert model["ratio_to_torch"]["torch DDP"] == 1.0

@@ -242,11 +242,14 @@ def test_the_tail_trial_tries_a_credit_and_a_plan_saved_before_it_reads_as_no_cr
     from gradsync.planning.autoplan import BucketPlan, _tail_candidates
     from gradsync.planning.planner import CostModel
 
-    tried = _tail_candidates(ReducerConfig(priority_tail_bytes=4096, chunk_bytes=1024))
+    tried = _tail_candidates(ReducerConfig(priority_tail_bytes=4096, chunk_bytes=1024), 40960)
     assert tried["one chunk in flight"] == (4096, 1024, 1024)
     assert tried["no tail"] == (0, 1024, 0) and tried["chunks x4"] == (4096, 4096, 0)
+    # a link slower than backward: what it cannot carry during backward held, nearest first
+    assert tried["half the gradients"] == (20480, 1024, 0)
+    assert tried["three quarters of the gradients"] == (30720, 1024, 0)
     held = _tail_candidates(ReducerConfig(priority_tail_bytes=4096, chunk_bytes=1024,
-                                          credit_bytes=1024))
+                                          credit_bytes=1024), 4096)
     assert held["no credit"] == (4096, 1024, 0) and held["chunks x4"] == (4096, 4096, 4096)
     plan = BucketPlan([[0]], CostModel(0.0, 1e-9), 1.0, 1.0, 0, [[0]], 1.0, kept=True)
     old = dataclasses.replace(plan, tail=(4096, 1024))  # a checkpoint from before the credit
@@ -265,3 +268,20 @@ def test_a_trial_on_buckets_landing_later_times_forward_to_backwards_return_not_
     assert _step_ms(timeline, forward_to_forward_ms=50.0) == pytest.approx(8.0)
     unsaid = IterationTimeline(3, start_ns=5_000_000, bucket_indices=[[0]], bucket_bytes=[4])
     assert _step_ms(unsaid, forward_to_forward_ms=50.0) == 50.0
+
+
+def test_a_step_after_a_pause_longer_than_itself_is_not_a_trial_sample():
+    # Its forward found the last step's buckets landed in the pause (another model trained in
+    # turn, as in the bench): it waited for none, so a larger tail would look faster than it is.
+    from gradsync.engine.timeline import IterationTimeline
+    from gradsync.planning.autoplan import _after_pause
+
+    def step(i, forward_ms, returned_ms):
+        return IterationTimeline(i, start_ns=0, bucket_indices=[[0]], bucket_bytes=[4],
+                                 forward_start_ns=int(forward_ms * 1e6),
+                                 backward_returned_ns=int(returned_ms * 1e6))
+
+    steady = [step(1, 0.0, 10.0), step(2, 11.0, 21.0)]  # 1 ms between steps: counted
+    paused = [step(1, 0.0, 10.0), step(2, 40.0, 50.0)]  # 30 ms idle before a 10 ms step
+    assert not _after_pause(steady, 10.0) and _after_pause(paused, 10.0)
+    assert not _after_pause(paused[1:], 10.0)  # nothing before it: counted

@@ -27,11 +27,14 @@
 4. With an optimizer stepped per bucket as each lands (`overlap_optimizer`: buckets land in
    the next forward, `Reducer.lands_lazily`), a trial times whole steps, from a synchronised
    forward (which waits for the last step's buckets) to the return of its backward, since the
-   end of backward no longer waits for the buckets; the time between steps is left out. Once the
+   end of backward no longer waits for the buckets; the time between steps is left out, and a
+   step after a pause longer than itself is not counted (its forward found everything landed,
+   which flatters a tail that leaves more in flight; `_after_pause`). Once the
    layout is decided, a second trial of the same form (screen, then confirm) picks how much
    of the communication tail goes first and in what chunks (`Reducer.send_tail_first`):
-   the tail as set, none, half and twice as much, chunks four times as large, and one chunk
-   reducing at a time (a credit of bytes in flight).
+   the tail as set, none, half and three quarters of the gradients (where the link cannot
+   carry them during backward), chunks four times as large, and one chunk reducing at a time
+   (a credit of bytes in flight).
 5. Afterwards the step time is watched; if it drifts by more than `drift` from what it was
    just after the decision, the whole thing runs again (at most `max_replans` times).
 
@@ -51,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -255,7 +258,8 @@ class AutoBuckets:
     def tail_decided_by(self) -> int:
         """Iterations by which the first plan and its tail are decided, at most, with buckets
         landing in the next forward (`overlap_optimizer`): the tail trial follows the layout's
-        (the tail as set, none, half, twice, larger chunks; then the confirmation)."""
+        (the tail as set, none, half and three quarters of the gradients, larger chunks, a
+        credit; then the confirmation)."""
         tails = 6
         return self.decided_by + (self.rounds * tails + self.confirm_rounds * 2) * self.per_slot + 1
 
@@ -340,7 +344,8 @@ class AutoBuckets:
                 last = reducer.history[-1]
                 ms = (_step_ms(last, (now - since) * 1e-6) if reducer.lands_lazily
                       else _total_ms(last))
-                trial.samples[trial.schedule[pos - 1]].append(ms)
+                if not (reducer.lands_lazily and _after_pause(reducer.history, ms)):
+                    trial.samples[trial.schedule[pos - 1]].append(ms)
         if pos == len(trial.schedule):
             if trial.confirming is None:
                 self._screened(reducer, trial)
@@ -409,7 +414,8 @@ class AutoBuckets:
             self.plan, measured_before_ms=self.plan.trial_ms[CURRENT], measured_after_ms=after,
             kept=best != CURRENT, chosen=best, needed=needed, confirmed_ratio=confirmed,
         )
-        tails = _tail_candidates(reducer.config) if reducer.lands_lazily else {}
+        total = sum(p.numel() * p.element_size() for p in reducer.params)
+        tails = _tail_candidates(reducer.config, total) if reducer.lands_lazily else {}
         if len(tails) > 1:  # the layout decided; now the tail on it
             log.info("rank %d: %s; trying tails", reducer.rank, self.plan)
             self._trial = _Trial.of(tails, self.rounds, self.per_slot,
@@ -510,16 +516,26 @@ def _apply(reducer: Reducer, trial: _Trial, name: str) -> None:
         reducer.send_tail_first(tail, chunk, layout=trial.base, credit=credit)
 
 
-def _tail_candidates(config: ReducerConfig) -> dict[str, tuple[int, int, int]]:
-    """The tails a trial tries, by name: the one set first, then none, half and twice as
-    much, chunks four times as large, and one chunk reducing at a time (a credit of one chunk;
-    the whole tail at once if one was set); each that differs from those already in."""
+def _tail_candidates(config: ReducerConfig, total: int) -> dict[str, tuple[int, int, int]]:
+    """The tails a trial tries, by name: the one set first, then none, half and three quarters
+    of the `total` bytes of gradients, chunks four times as large, and one chunk reducing at a
+    time (a credit of one chunk; the whole tail at once if one was set); each that differs from
+    those already in.
+
+    The fractions are for a link slower than backward: what it cannot carry before backward
+    ends is better held and sent nearest the input first, so the next forward starts on the
+    first chunk instead of behind every bucket queued before it (the cluster's 64 MiB MLP with
+    three quarters held: 0.86-0.94 of torch's DDP's step, with the 4 MiB tail 0.95-1.01; a
+    compute-bound GPT the other way; docs/benchmarks/2026-12-07-overlap-tails.md). Half and
+    twice the set tail lost to it on every cluster model (2026-12-06-overlap-buckets.md): they
+    are no longer tried."""
     tail, chunk, credit = config.priority_tail_bytes, config.chunk_bytes, config.credit_bytes
     candidates = {CURRENT: (tail, chunk, credit)}
     if tail > 0:
         for name, choice in (("no tail", (0, chunk, 0)),
-                             ("half the tail", (tail // 2, chunk, credit)),
-                             ("twice the tail", (2 * tail, chunk, credit)),
+                             ("half the gradients", (max(total // 2, tail), chunk, credit)),
+                             ("three quarters of the gradients",
+                              (max(total * 3 // 4, tail), chunk, credit)),
                              ("chunks x4", (tail, 4 * chunk, credit and 4 * credit)),
                              ("one chunk in flight" if not credit else "no credit",
                               (tail, chunk, 0 if credit else chunk))):
@@ -624,6 +640,15 @@ def _step_ms(timeline: IterationTimeline, forward_to_forward_ms: float) -> float
     if timeline.forward_start_ns and timeline.backward_returned_ns:
         return (timeline.backward_returned_ns - timeline.forward_start_ns) * 1e-6
     return forward_to_forward_ms
+
+
+def _after_pause(history: Sequence[IterationTimeline], step_ms: float) -> bool:
+    """Whether the last step's forward came after a pause longer than the step (another model
+    trained in turn, an evaluation): the step before it had landed in the pause, so its forward
+    waited for nothing, and a tail that leaves more in flight would look faster than it is."""
+    if len(history) < 2 or not history[-2].backward_returned_ns:
+        return False
+    return (history[-1].forward_start_ns - history[-2].backward_returned_ns) * 1e-6 > step_ms
 
 
 def _total_ms(timeline: IterationTimeline) -> float:

@@ -212,6 +212,15 @@ OPTIMIZERS = {
 }
 
 
+def _tail_mb(name: str, model: nn.Module) -> float | None:
+    """The tail of an overlap variant named "gradsync overlap, tail P%" (`--overlap-tails`): P %
+    of the model's gradients; None (the default tail) for the others."""
+    if ", tail " not in name:
+        return None
+    share = float(name.rsplit(" ", 1)[1].rstrip("%")) / 100
+    return share * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
 def _make_variant(
     name: str, model_name: str, rank: int, repeat: int, state: dict, cpu: dict[str, list],
     optimizer: str = "sgd",
@@ -222,7 +231,7 @@ def _make_variant(
     opt = OPTIMIZERS[optimizer](model.parameters())
     # each bucket stepped as it lands, the next forward over the tail
     if name.startswith("gradsync overlap"):
-        opt = wrapped.overlap_optimizer(opt)  # type: ignore[operator]
+        opt = wrapped.overlap_optimizer(opt, tail_mb=_tail_mb(name, model))  # type: ignore[operator]
     land = getattr(opt, "wait", lambda: None)
     g = torch.Generator().manual_seed(1000 + rank)
     batches = [make_input(g) for _ in range(4)]
@@ -492,6 +501,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{list(VARIANTS)})")
     always = ("torch DDP", "torch DDP (again)", "compute only")  # the baseline, A/A, floor
     args.cpu_variants = tuple(v for v in VARIANTS if not only or v in only or v in always)
+    try:
+        tails = [float(t) for t in (args.overlap_tails or "").split(",") if t]
+    except ValueError:
+        tails = [-1.0]
+    if any(not 0 <= t <= 100 for t in tails):
+        p.error(f"--overlap-tails: percentages from 0 to 100, comma-separated (got "
+                f"{args.overlap_tails!r})")
+    args.cpu_variants += tuple(f"gradsync overlap, tail {t:g}%" for t in tails)
     return args
 
 
@@ -517,9 +534,17 @@ def _parser(device_models: tuple[str, ...],
                    help="every variant's optimizer (default sgd)")
     p.add_argument("--only", default=None, help=f"comma-separated, from {', '.join(VARIANTS)} "
                    "(default: all; torch DDP, its A/A pair and compute only always run)")
+    p.add_argument("--overlap-tails", default=None, metavar="PERCENTS",
+                   help="comma-separated: for each P, a variant \"gradsync overlap, tail P%%\" "
+                   "(overlap_optimizer with tail_mb P %% of the model's gradients)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
                    "(default out/bench; with --device, out/bench-DEVICE)")
-    d = p.add_argument_group("the device bench")
+    _device_options(p.add_argument_group("the device bench"), device_variants)
+    return p
+
+
+def _device_options(d: argparse._ArgumentGroup, device_variants: tuple[str, ...]) -> None:
+    """The device bench's own options (its models are chosen with --models)."""
     d.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="run the device bench on this device (default: the CPU bench above; "
                    "cpu with --model)")
@@ -536,7 +561,6 @@ def _parser(device_models: tuple[str, ...],
                    help="torch.compile backend (default inductor)")
     d.add_argument("--autocast", choices=["none", "bf16"], default="none",
                    help="autocast your --model's forward (the built-in models always use bf16)")
-    return p
 
 
 def _device_args(p: argparse.ArgumentParser, args: argparse.Namespace, models: tuple[str, ...],

@@ -101,6 +101,8 @@ class DistributedDataParallel(_Base):
     constructor is never run: no C++ reducer, no hooks of torch's (`torch_compat`).
     """
 
+    _limits: tuple[list[int], bool]  # the buckets' byte caps (`bucket_limits`)
+
     def __init__(
         self,
         module: nn.Module,
@@ -289,7 +291,8 @@ class DistributedDataParallel(_Base):
             # Buckets land and are stepped one by one: smaller ones start reducing earlier in
             # backward and leave less of the last one in front of the tail (measured:
             # docs/benchmarks/2026-12-06-overlap-buckets.md). Set bucket_cap_mb to keep others.
-            reducer.recap_buckets((self._limits[0][0], int(DEFAULT_OVERLAP_BUCKET_MB * 2**20)))
+            self._limits = ([self._limits[0][0], int(DEFAULT_OVERLAP_BUCKET_MB * 2**20)], False)
+            reducer.recap_buckets(self._limits[0])  # and `bucket_bytes_cap` says so
         reducer.send_tail_first(tail, chunk, credit=credit)
         return overlapped
 
