@@ -501,15 +501,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{list(VARIANTS)})")
     always = ("torch DDP", "torch DDP (again)", "compute only")  # the baseline, A/A, floor
     args.cpu_variants = tuple(v for v in VARIANTS if not only or v in only or v in always)
-    try:
-        tails = [float(t) for t in (args.overlap_tails or "").split(",") if t]
-    except ValueError:
-        tails = [-1.0]
-    if any(not 0 <= t <= 100 for t in tails):
-        p.error(f"--overlap-tails: percentages from 0 to 100, comma-separated (got "
-                f"{args.overlap_tails!r})")
-    args.cpu_variants += tuple(f"gradsync overlap, tail {t:g}%" for t in tails)
+    args.cpu_variants += tuple(f"gradsync overlap, tail {t:g}%" for t in args.overlap_tails)
     return args
+
+
+def _percents(text: str) -> list[float]:
+    """--overlap-tails: comma-separated percentages (a word that is not a number: argparse's
+    error, from float's ValueError)."""
+    shares = [float(t) for t in text.split(",") if t]
+    if any(not 0 <= share <= 100 for share in shares):
+        raise argparse.ArgumentTypeError(f"percentages from 0 to 100 (got {text!r})")
+    return shares
 
 
 def _parser(device_models: tuple[str, ...],
@@ -534,7 +536,7 @@ def _parser(device_models: tuple[str, ...],
                    help="every variant's optimizer (default sgd)")
     p.add_argument("--only", default=None, help=f"comma-separated, from {', '.join(VARIANTS)} "
                    "(default: all; torch DDP, its A/A pair and compute only always run)")
-    p.add_argument("--overlap-tails", default=None, metavar="PERCENTS",
+    p.add_argument("--overlap-tails", type=_percents, default=[], metavar="PERCENTS",
                    help="comma-separated: for each P, a variant \"gradsync overlap, tail P%%\" "
                    "(overlap_optimizer with tail_mb P %% of the model's gradients)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
