@@ -592,10 +592,13 @@ def test_buckets_left_at_torchs_cap_are_capped_at_4_mib_for_the_overlap_and_a_ca
         return [len(b) for b in ddp.reducer.bucket_indices], ddp.bucket_bytes_cap
 
     def body(rank, group):
-        return sizes(rank, group, {}), sizes(rank, group, {"bucket_cap_mb": 25})
+        return (sizes(rank, group, {}), sizes(rank, group, {"bucket_cap_mb": 25}),
+                sizes(rank, group, {"bucket_cap_mb": "auto"}))
 
-    for (default, default_cap), (given, given_cap) in run_threaded(body, 2, timeout=60):
+    for (default, default_cap), (given, given_cap), (auto, _) in run_threaded(body, 2,
+                                                                              timeout=60):
         assert default == [1, 4, 3]  # torch's first bucket of 1 MiB, then 4 MiB at most
+        assert auto == default  # what the planner's candidates are tried against, once it plans
         assert given == [8]  # the 25 MiB asked for (torch's 1 MiB first bucket is its default's)
         # what dynamo's DDPOptimizer splits a compiled graph at: the cap the buckets have
         assert (default_cap, given_cap) == (4 * 2**20, 25 * 2**20)

@@ -265,7 +265,9 @@ class DistributedDataParallel(_Base):
 
         With `bucket_cap_mb` left out, the buckets are capped at
         `overlap.DEFAULT_OVERLAP_BUCKET_MB` (4 MiB) instead of torch's 25 MiB: each is stepped as
-        it lands, and smaller ones start reducing earlier in backward.
+        it lands, and smaller ones start reducing earlier in backward. With
+        `bucket_cap_mb="auto"` not yet planned, so are the buckets the planner's candidates are
+        tried against.
         Buckets landed by the end of backward are stepped there, the rest in the next forward,
         each where one of its parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
@@ -287,10 +289,12 @@ class DistributedDataParallel(_Base):
             tail, chunk, credit = plan.tail_settings  # the planner's (a checkpoint's)
         agree_on_tail(self.process_group, tail, chunk, credit)
         overlapped = OverlappedOptimizer(reducer, optimizer)
-        if getattr(self, "_default_caps", False) and not reducer.sharded:
+        undecided = self._auto is not None and self._auto.plan is None
+        if (getattr(self, "_default_caps", False) or undecided) and not reducer.sharded:
             # Buckets land and are stepped one by one: smaller ones start reducing earlier in
             # backward and leave less of the last one in front of the tail (measured:
             # docs/benchmarks/2026-12-06-overlap-buckets.md). Set bucket_cap_mb to keep others.
+            # With "auto" not yet planned, the trial's candidates must beat these buckets.
             self._limits = ([self._limits[0][0], int(DEFAULT_OVERLAP_BUCKET_MB * 2**20)], False)
             reducer.recap_buckets(self._limits[0])  # and `bucket_bytes_cap` says so
         reducer.send_tail_first(tail, chunk, credit=credit)
