@@ -9,6 +9,11 @@ or in the next forward where its parameters are first used), and the forward of 
 k+1 starting before the last bucket of k has landed.
 
     python benchmarks/overlap_timeline.py   # writes out/overlap-timeline.png (--out to change)
+    python benchmarks/overlap_timeline.py --model wide_mlp_64mib --tail-share 0.75
+
+`--model` takes any of the bench's models, `--tail-share` holds that share of the gradients
+as the tail (`tail_mb`; default: the default tail) and `--credit-mb` sets the credit. The
+timelines drawn are written beside the picture as JSON (`.json`), the raw data of a page.
 
 Needs root (the cluster) and matplotlib.
 """
@@ -23,7 +28,8 @@ import tempfile
 from pathlib import Path
 
 
-def child(out: str, steps: int) -> None:
+def child(out: str, steps: int, model_name: str, tail_share: float | None,
+          credit_mb: float | None) -> None:
     """On each emulated host: train, then rank 0 writes its last timelines as JSON."""
     import torch
     import torch.distributed as dist
@@ -34,9 +40,12 @@ def child(out: str, steps: int) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     torch.manual_seed(0)
-    model, make_input = MODELS["gpt_16mib"]()
+    model, make_input = MODELS[model_name]()
     ddp = gradsync.DistributedDataParallel(model)
-    opt = ddp.overlap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
+    total_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    opt = ddp.overlap_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4),
+                                tail_mb=None if tail_share is None else tail_share * total_mb,
+                                credit_mb=credit_mb)
     batch = make_input(torch.Generator().manual_seed(dist.get_rank()))
     for _ in range(steps):
         ddp(batch).float().pow(2).mean().backward()
@@ -55,7 +64,7 @@ def child(out: str, steps: int) -> None:
     dist.destroy_process_group()
 
 
-def draw(timelines: list[dict], path: Path) -> Path:
+def draw(timelines: list[dict], path: Path, title: str) -> Path:
     from gradsync.engine.timeline import EventKind
     from gradsync.observability.plot import figure, save_figure
 
@@ -92,8 +101,7 @@ def draw(timelines: list[dict], path: Path) -> Path:
     ax.set_yticks(list(rows.values()), list(rows))
     ax.invert_yaxis()
     ax.set_xlabel(f"ms since the forward of iteration {this['iteration']} began")
-    ax.set_title("overlap_optimizer on 2 emulated hosts at 2 Gbit/s (gpt_16mib, AdamW): "
-                 "the tail's buckets land and step during the next forward")
+    ax.set_title(title)
     ax.legend(loc="lower right", fontsize="small")
     return save_figure(fig, path)
 
@@ -104,10 +112,14 @@ def main() -> None:
     p.add_argument("--out", default="out/overlap-timeline.png")
     p.add_argument("--link", default="2gbit")
     p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--model", default="gpt_16mib", help="one of the bench's models")
+    p.add_argument("--tail-share", type=float, default=None,
+                   help="hold this share of the gradients as the tail (default: the default tail)")
+    p.add_argument("--credit-mb", type=float, default=None, help="the tail's credit")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.child, args.steps)
+        child(args.child, args.steps, args.model, args.tail_share, args.credit_mb)
         return
     from gradsync.tools.cluster import EmulatedCluster
 
@@ -115,8 +127,19 @@ def main() -> None:
         data = os.path.join(tmp, "timelines.json")
         os.chmod(tmp, 0o777)
         with EmulatedCluster(hosts=2, link=args.link) as cluster:
-            cluster.torchrun([__file__, "--child", data, "--steps", str(args.steps)])
-        print(draw(json.loads(Path(data).read_text()), Path(args.out)))
+            cluster.torchrun([__file__, "--child", data, "--steps", str(args.steps),
+                              "--model", args.model]
+                             + ([] if args.tail_share is None else ["--tail-share",
+                                                                    str(args.tail_share)])
+                             + ([] if args.credit_mb is None else ["--credit-mb",
+                                                                   str(args.credit_mb)]))
+        timelines = json.loads(Path(data).read_text())
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(timelines))
+    tail = "the default tail" if args.tail_share is None else f"{args.tail_share:g} held"
+    print(draw(timelines, out, f"overlap_optimizer, 2 emulated hosts at {args.link}: "
+                               f"{args.model}, AdamW, {tail}"))
 
 
 if __name__ == "__main__":
