@@ -30,6 +30,24 @@ OPTIMIZERS = {
     "rmsprop": lambda ps, foreach: torch.optim.RMSprop(ps, lr=0.01, foreach=foreach),
     "adagrad": lambda ps, foreach: torch.optim.Adagrad(ps, lr=0.05, foreach=foreach),
 }
+# The rest of torch's optimizers that step each parameter from its own gradient and state,
+# and the variants of the ones above (fused: one kernel over a group, on the CPU too).
+OTHER_OPTIMIZERS = {
+    "adadelta": lambda ps, foreach: torch.optim.Adadelta(ps, lr=0.5, foreach=foreach),
+    "adafactor": lambda ps, foreach: torch.optim.Adafactor(ps, lr=0.01, foreach=foreach),
+    "adamax": lambda ps, foreach: torch.optim.Adamax(ps, lr=0.01, foreach=foreach),
+    "asgd": lambda ps, foreach: torch.optim.ASGD(ps, lr=0.01, foreach=foreach),
+    "nadam": lambda ps, foreach: torch.optim.NAdam(ps, lr=0.01, foreach=foreach),
+    "radam": lambda ps, foreach: torch.optim.RAdam(ps, lr=0.01, foreach=foreach),
+    "rprop": lambda ps, foreach: torch.optim.Rprop(ps, lr=0.01, foreach=foreach),
+    "adam amsgrad": lambda ps, foreach: torch.optim.Adam(ps, lr=0.01, amsgrad=True,
+                                                         foreach=foreach),
+    "sgd nesterov": lambda ps, foreach: torch.optim.SGD(ps, lr=0.05, momentum=0.9,
+                                                        nesterov=True, foreach=foreach),
+    "adamw fused": lambda ps, _: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    "sgd fused": lambda ps, _: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+}
+EVERY_OPTIMIZER = {**OPTIMIZERS, **OTHER_OPTIMIZERS}
 
 
 def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, micro_steps=1,
@@ -38,7 +56,7 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
     """Train; return the parameters and the optimizer's state dict."""
     model = seeded(MODELS[model_name], 0)
     ddp = wrapper(model, process_group=group, **kwargs)
-    opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
+    opt = EVERY_OPTIMIZER[optimizer](model.parameters(), foreach)
     if wrapper is GradsyncDDP:
         opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb,
                                         credit_mb=credit_mb)
@@ -48,7 +66,7 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
             saved = io.BytesIO()
             torch.save(opt.state_dict(), saved)
             del opt  # the wrapper's buckets are stepped by one optimizer at a time
-            opt = OPTIMIZERS[optimizer](model.parameters(), foreach)
+            opt = EVERY_OPTIMIZER[optimizer](model.parameters(), foreach)
             if wrapper is GradsyncDDP:
                 opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb,
                                         credit_mb=credit_mb)
@@ -100,6 +118,11 @@ def _check(model_name, optimizer, per_rank=4, **kwargs):
 def test_each_bucket_stepped_as_it_lands_equals_torch_ddp_and_the_same_optimizer(optimizer,
                                                                                foreach):
     _check("mlp", optimizer, foreach=foreach, bucket_cap_mb=0.0005)
+
+
+@pytest.mark.parametrize("optimizer", sorted(OTHER_OPTIMIZERS))
+def test_every_other_torch_optimizer_that_steps_per_parameter_equals_torch_ddp(optimizer):
+    _check("mlp", optimizer, foreach=None, bucket_cap_mb=0.0005)
 
 
 @pytest.mark.parametrize("config", [
@@ -425,6 +448,52 @@ def test_a_parameter_written_while_its_bucket_is_landing_is_refused_and_a_load_w
         return loaded
 
     assert run_threaded(body, 2, timeout=60) == [True, True]
+
+
+class _Embedded(torch.nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(50, 16, sparse=sparse)
+        self.lin = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(),
+                                       torch.nn.Linear(32, 16))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.emb(idx)).pow(2).mean()
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_second_optimizer_steps_the_averages_of_its_own_parameters_right_after_backward(
+        sparse):
+    # The overlapped optimizer steps the linear layers; another (SparseAdam for a sparse
+    # embedding, Adam for a dense one) steps the embedding right after backward, as with
+    # torch's DDP. Its bucket lands as backward ends, not in the next forward.
+    def train(wrapper, rank, group):
+        model = seeded(lambda: _Embedded(sparse), 0)
+        ddp = wrapper(model, process_group=group, bucket_cap_mb=0.001)  # a bucket a parameter
+        dense = torch.optim.Adam(model.lin.parameters(), lr=0.01)
+        other = (torch.optim.SparseAdam if sparse else torch.optim.Adam)(
+            model.emb.parameters(), lr=0.01)
+        if wrapper is GradsyncDDP:
+            dense = ddp.overlap_optimizer(dense, tail_mb=0)
+        g, landing = torch.Generator().manual_seed(rank), []
+        for _ in range(4):
+            ddp(torch.randint(0, 50, (8, 3), generator=g)).backward()
+            if wrapper is GradsyncDDP and ddp.reducer.phase.name == "LANDING":
+                landing += [p for b in ddp.reducer._reductions.pending() for p in b.params]
+            other.step()
+            dense.step()
+            other.zero_grad()
+            dense.zero_grad()
+        if wrapper is GradsyncDDP:
+            dense.wait()
+        assert not any(p is model.emb.weight for p in landing)  # the linear layers' may be
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    results = run_threaded(lambda rank, group: (train(GradsyncDDP, rank, group),
+                                                train(TorchDDP, rank, group)), 2, timeout=60)
+    for ours, theirs in results:
+        for name, p in theirs.items():
+            assert torch.equal(ours[name], p), name
 
 
 def test_a_parameter_used_outside_its_own_module_lands_before_that_use():

@@ -502,8 +502,9 @@ class Reducer:
 
     def finish_backward(self) -> None:
         """Wait for every bucket and write the averaged gradients into `.grad`. With buckets
-        landing lazily (`step_each_bucket(..., lazily=True)`), only those landed already: the
-        others land where their parameters are needed (`land`), stepped as they do."""
+        landing lazily (`step_each_bucket(..., lazily=True)`), only those landed already and
+        those the stepper does not step whole (`BucketStepper.may_land_later`): the others
+        land where their parameters are needed (`land`), stepped as they do."""
         it = self._it
         it.timeline.backward_end_ns = self._settings.clock()
         self._waits.begin(self.iteration, self.config.timeout, self.buckets,
@@ -514,7 +515,11 @@ class Reducer:
         self.phase = Phase.LANDING
         self._reductions.start_reports(it)  # now, on every rank alike, after every bucket
         if not self._land(it, None, landed_only=True):
-            self._reductions.stepper.backward_ended(self._reductions.pending())  # type: ignore[union-attr]
+            stepper = self._reductions.stepper
+            assert stepper is not None
+            now = [b.index for b in self._reductions.pending() if not stepper.may_land_later(b)]
+            if not now or not self._land(it, now, landed_only=False):
+                stepper.backward_ended(self._reductions.pending())
         it.timeline.backward_returned_ns = self._settings.clock()
 
     def land(self, buckets: Sequence[int] | None = None) -> None:

@@ -71,6 +71,11 @@ class BucketStepper(Protocol):
     def written(self, bucket: Bucket) -> None:
         """`bucket`'s averages are in `.grad`: step its parameters."""
 
+    def may_land_later(self, bucket: Bucket) -> bool:
+        """Whether `bucket` may land after backward: every parameter of it is stepped here.
+        Else it lands as backward ends, as without a stepper: another optimizer (or code that
+        reads a gradient) steps the others right after backward, from their averages."""
+
 
 class Flight:
     """One bucket's reduction in one iteration: what was started, and how it ends.

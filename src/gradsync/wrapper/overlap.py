@@ -30,6 +30,9 @@ differs, and is refused rather than silently wrong:
   zeroed again once the bucket still landing has been stepped.
 - The wrapper's `state_dict()`, `no_sync()`, `join()`, a forward that will not synchronise
   (eval, no grad) and the next backward land everything first.
+- A bucket holding a parameter this optimizer does not step lands as backward ends, as
+  without it (`_steps_whole`): another optimizer steps that parameter right after backward,
+  from its average.
 """
 
 from __future__ import annotations
@@ -260,6 +263,11 @@ class OverlappedOptimizer(Optimizer):
     def _held(self, bucket: Bucket) -> list[torch.Tensor]:
         return [p for group in self._subsets_of(bucket) for p in group]
 
+    def _steps_whole(self, bucket: Bucket) -> bool:
+        """Whether this optimizer holds every parameter of `bucket` (else it lands as backward
+        ends: another optimizer steps the rest from their averages right after backward)."""
+        return sum(len(subset) for subset in self._subsets_of(bucket)) == len(bucket.params)
+
     def _with_groups(self, subsets: list[list[torch.Tensor]], run: Callable[[], Any],
                      settings: list[dict[str, Any]] | None = None) -> None:
         """`run()` (the wrapped optimizer's step or zero_grad) over `subsets[i]` of each group
@@ -476,6 +484,10 @@ class _Stepper:
         if (optimizer := self._optimizer()) is not None:
             with optimizer._own:
                 optimizer._written(bucket)
+
+    def may_land_later(self, bucket: Bucket) -> bool:
+        optimizer = self._optimizer()
+        return optimizer is None or optimizer._steps_whole(bucket)
 
     def release_guard(self) -> None:
         """Every bucket landed, or a forward's `LandOnUse` exited: the read guard may go."""
