@@ -289,7 +289,7 @@ class DistributedDataParallel(_Base):
             tail, chunk, credit = plan.tail_settings  # the planner's (a checkpoint's)
         agree_on_tail(self.process_group, tail, chunk, credit)
         overlapped = OverlappedOptimizer(reducer, optimizer)
-        undecided = self._auto is not None and self._auto.plan is None
+        undecided = self._auto is not None and plan is None  # "auto", not yet planned
         if (getattr(self, "_default_caps", False) or undecided) and not reducer.sharded:
             # Buckets land and are stepped one by one: smaller ones start reducing earlier in
             # backward and leave less of the last one in front of the tail (measured:
