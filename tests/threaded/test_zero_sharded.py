@@ -309,7 +309,10 @@ def test_memory_per_rank_is_the_shards_and_state_of_one_nth():
                 lambda _: live.append(sum(b.wire.numel() > 0 for b in ddp.reducer.buckets)))
         _loss(ddp(torch.ones(4, 8))).backward()
         opt.step()
-        assert 1 <= max(live) <= 2  # buckets_in_flight=2: the others dropped once reduced
+        # buckets_in_flight=2: the others dropped once reduced. No lower bound: a bucket's
+        # reduce-scatter may complete on gloo's thread before the hook looks, and then its
+        # buffer is already gone (seen at 0 on every hook once in CI).
+        assert len(live) == len(list(model.parameters())) and max(live) <= 2
         pool, made = ddp.reducer.buffer_pool, ddp.reducer.buffer_pool.allocations
         for _ in range(2):
             opt.zero_grad()
