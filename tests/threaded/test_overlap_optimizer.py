@@ -391,6 +391,33 @@ def test_ranks_asking_for_different_tails_are_refused_naming_them():
         run_threaded(body, 2, timeout=60)
 
 
+def test_ranks_whose_optimizers_step_different_parameters_are_refused_naming_them():
+    # A bucket rank 1's optimizer does not hold whole would land as its backward ends and in
+    # the next forward on rank 0: with a credit, chunks would start at different points.
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        params = list(model.parameters()) if rank == 0 else list(model[0].parameters())
+        ddp.overlap_optimizer(torch.optim.SGD(params, lr=0.1), credit_mb=0.0001)
+
+    with pytest.raises(RankError, match=r"step different parameters of the wrapper \(rank 0: 8 "
+                       r"of 8, rank 1: 2 of 8; 1.weight on ranks \[0\]; 1.bias on ranks \[0\]"):
+        run_threaded(body, 2, timeout=60)
+
+
+def test_add_param_group_on_one_rank_only_is_refused_naming_the_parameters():
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model[0].parameters(), lr=0.1))
+        added = model[1] if rank == 0 else model[2]
+        opt.add_param_group({"params": list(added.parameters())})
+
+    with pytest.raises(RankError, match=r"rank 0: 4 of 8, rank 1: 4 of 8; 1.weight on ranks "
+                       r"\[0\]; 1.bias on ranks \[0\]; 2.weight on ranks \[1\]"):
+        run_threaded(body, 2, timeout=60)
+
+
 @pytest.mark.parametrize("credit_mb", [None, 0.00005, 0.0001])
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_a_tail_sent_first_in_chunks_equals_torch_ddp(optimizer, credit_mb):

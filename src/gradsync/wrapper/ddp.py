@@ -71,7 +71,14 @@ from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
 from .module_guards import UnsynchronisedGradients, check_outputs_hold_tensors
-from .overlap import DEFAULT_OVERLAP_BUCKET_MB, OverlappedOptimizer, agree_on_tail, tail_bytes
+from .overlap import (
+    DEFAULT_OVERLAP_BUCKET_MB,
+    OverlappedOptimizer,
+    agree_on_parameters,
+    agree_on_tail,
+    held_by,
+    tail_bytes,
+)
 from .torch_compat import (
     TorchDDP,
     TorchNamedReducer,
@@ -280,7 +287,8 @@ class DistributedDataParallel(_Base):
         Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward and
         `torch.amp.GradScaler` are refused (`OverlappedOptimizer` says why). Parameters and
         optimizer state equal torch's DDP with `optimizer` stepped after backward.
-        Every rank must call it alike."""
+        Every rank must call it alike, with an optimizer over the same parameters (checked:
+        `overlap.agree_on_parameters`)."""
         reducer = self._reducer_for("overlap_optimizer")
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
         plan = self.bucket_plan()
@@ -288,6 +296,7 @@ class DistributedDataParallel(_Base):
                 and plan.tail_settings is not None):
             tail, chunk, credit = plan.tail_settings  # the planner's (a checkpoint's)
         agree_on_tail(self.process_group, tail, chunk, credit)
+        agree_on_parameters(self.process_group, reducer.names, held_by(optimizer, reducer.params))
         overlapped = OverlappedOptimizer(reducer, optimizer)
         undecided = self._auto is not None and plan is None  # "auto", not yet planned
         if (getattr(self, "_default_caps", False) or undecided) and not reducer.sharded:

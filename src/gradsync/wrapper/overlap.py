@@ -32,7 +32,8 @@ differs, and is refused rather than silently wrong:
   (eval, no grad) and the next backward land everything first.
 - A bucket holding a parameter this optimizer does not step lands as backward ends, as
   without it (`_steps_whole`): another optimizer steps that parameter right after backward,
-  from its average.
+  from its average. The ranks' optimizers must hold the same parameters, which
+  `overlap_optimizer` and `add_param_group` check (`agree_on_parameters`).
 """
 
 from __future__ import annotations
@@ -51,7 +52,8 @@ from ..engine.reducer import Reducer, arguments_among
 from ..observability.log import detail_enabled
 
 __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_OVERLAP_BUCKET_MB", "DEFAULT_TAIL_MB",
-           "OverlappedOptimizer", "agree_on_tail", "tail_bytes"]
+           "OverlappedOptimizer", "agree_on_parameters", "agree_on_tail", "held_by",
+           "tail_bytes"]
 
 # Measured on the emulated cluster (docs/benchmarks/2026-12-06-overlap-optimizer.md).
 DEFAULT_TAIL_MB = 4.0
@@ -140,11 +142,15 @@ class OverlappedOptimizer(Optimizer):
                               lambda: self.optimizer.zero_grad(set_to_none))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As the optimizer's; on every rank alike (checked: one collective)."""
         self.wait()
         self.optimizer.add_param_group(param_group)
         self._deferred = [subsets + [[]] for subsets in self._deferred]  # none in the new group
         self._rest = self._outside_buckets()
         self._subsets.clear()
+        if (reducer := self._reducer()) is not None:
+            agree_on_parameters(reducer.process_group, reducer.names,
+                                held_by(self.optimizer, reducer.params))
 
     def __repr__(self) -> str:
         return f"OverlappedOptimizer({self.optimizer!r})"
@@ -501,6 +507,15 @@ def _detach(reducer: Reducer, finished: Any) -> None:
     finished.remove()
 
 
+def held_by(optimizer: Optimizer, params: Sequence[torch.Tensor]) -> list[bool]:
+    """Whether `optimizer` holds each of `params` (none, for what is no optimizer: refused
+    after the ranks have agreed, so that every rank passes the same collectives)."""
+    groups = getattr(optimizer, "param_groups", None)
+    held = {id(p) for group in groups or () if isinstance(group, dict)
+            for p in group.get("params", ())}
+    return [id(p) in held for p in params]
+
+
 def tail_bytes(tail_mb: float | None, chunk_mb: float | None,
                credit_mb: float | None = None) -> tuple[int, int, int]:
     """(tail, chunk, credit) in bytes, from MiB (None: the defaults), checked."""
@@ -526,6 +541,27 @@ def agree_on_tail(group: Any, tail: int, chunk: int, credit: int = 0) -> None:
                           for r, (t, c, k) in enumerate(everyone))
         raise ValueError(f"overlap_optimizer: the ranks asked for different tails ({shown}); "
                          "pass the same tail_mb, chunk_mb and credit_mb on every rank")
+
+
+def agree_on_parameters(group: Any, names: Sequence[str], held: Sequence[bool]) -> None:
+    """Every rank's optimizer must step the same of the wrapper's parameters (`held[i]`: the
+    i-th). Where one does not hold a bucket whole, that rank lands the bucket as backward ends
+    (`_steps_whole`) and the others in the next forward; with a credit, the chunks the landing
+    lets start would then start at different points of the program on different ranks, and
+    pair with other collectives there (a buffers' broadcast). Raised on every rank, naming the
+    ranks and the parameters, before any bucket is sent."""
+    everyone = cast(list[bytes], all_gather_objects(group, bytes(held)))
+    differ = [i for i in range(len(names)) if len({mask[i] for mask in everyone}) > 1]
+    if not differ:
+        return
+    counts = ", ".join(f"rank {r}: {sum(mask)} of {len(names)}" for r, mask in enumerate(everyone))
+    shown = "; ".join(f"{names[i]} on ranks {[r for r, m in enumerate(everyone) if m[i]]}"
+                      for i in differ[:5])
+    more = f" and {len(differ) - 5} more" if len(differ) > 5 else ""
+    raise ValueError(
+        f"overlap_optimizer: the ranks' optimizers step different parameters of the wrapper "
+        f"({counts}; {shown}{more}); build the optimizer over the same parameters on every "
+        "rank, and call add_param_group alike on every rank")
 
 
 def _check_steps_per_parameter(optimizer: object) -> None:
