@@ -23,9 +23,10 @@ SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts", "frameworks")
 # framework -> (the package it needs, its script, the configurations it runs)
 FRAMEWORKS = {
     "hf_trainer": ("transformers", "hf_trainer.py", ["default", "find_unused"]),
-    "accelerate": ("accelerate", "accelerate_loop.py", ["accumulate", "trigger_sync"]),
+    "accelerate": ("accelerate", "accelerate_loop.py", ["accumulate", "trigger_sync", "overlap"]),
     "lightning": ("lightning", "lightning_trainer.py",
-                  ["automatic", "manual", "manual_static_graph", "static_graph_hook"]),
+                  ["automatic", "manual", "manual_static_graph", "static_graph_hook", "overlap",
+                   "overlap_manual"]),
     "fabric": ("lightning", "fabric_loop.py", ["no_backward_sync"]),
 }
 GRADSYNC_CLASS = "gradsync.wrapper.ddp.DistributedDataParallel"

@@ -266,11 +266,43 @@ def test_optimizers_that_cannot_step_per_bucket_are_refused(make, match):
         run_threaded(body, 2, timeout=60)
 
 
-def test_sharded_gradients_and_a_closure_are_refused():
+def test_a_closure_is_called_once_before_the_step_as_lightning_passes_one():
+    # Lightning's automatic optimization: opt.step(closure), the closure running zero_grad,
+    # forward and backward. Called once, as AdamW calls it; the same parameters and losses.
+    def train(wrapper, rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = wrapper(model, process_group=group)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if wrapper is GradsyncDDP:
+            opt = ddp.overlap_optimizer(opt)
+        g, losses, calls = torch.Generator().manual_seed(rank), [], []
+
+        def closure():
+            calls.append(1)
+            opt.zero_grad()
+            loss = ddp(torch.randn(4, 8, generator=g)).pow(2).mean()
+            loss.backward()
+            return loss
+
+        for _ in range(4):
+            with torch.no_grad():  # as Lightning's loop: the step enables gradients itself
+                losses.append(opt.step(closure).item())
+        if wrapper is GradsyncDDP:
+            opt.wait()
+        assert len(calls) == 4
+        return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    for ours, theirs in run_threaded(lambda rank, group: (train(GradsyncDDP, rank, group),
+                                                          train(TorchDDP, rank, group)),
+                                     2, timeout=60):
+        assert ours[0] == theirs[0]
+        for name, p in theirs[1].items():
+            assert torch.equal(ours[1][name], p), name
+
+
+def test_sharded_gradients_are_refused():
     def body(rank, group):
         model, ddp, opt = _overlapped_mlp(group)
-        with pytest.raises(ValueError, match="closure"):
-            opt.step(lambda: 0.0)
         with pytest.raises(RuntimeError, match="overlap_optimizer"):
             gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
                                              process_group=group)
@@ -316,18 +348,26 @@ def test_the_next_forward_waits_only_for_the_buckets_of_each_module_in_turn():
         assert waits == [0, 2, 4, 6]
 
 
-@pytest.mark.parametrize("what", ["state_dict", "no_sync", "eval", "wait", "opt_state_dict"])
+@pytest.mark.parametrize("what", ["state_dict", "module_state_dict", "module_load_state_dict",
+                                  "no_sync", "eval", "wait", "opt_state_dict"])
 def test_what_needs_every_parameter_lands_every_bucket_first(what):
+    # module_*: the wrapped module's own or a submodule's, as a checkpoint taken without the
+    # wrapper reads it (Lightning's, Accelerate's unwrap_model(model).state_dict()).
     def body(rank, group):
         held = _Held(group)
         model = seeded(_layers, 0)
         ddp = GradsyncDDP(model, process_group=held, bucket_cap_mb=1e-7)
         opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        saved = {k: v.clone() for k, v in model.state_dict().items()}
         ddp(torch.randn(4, 8)).sum().backward()
         opt.step()
         assert ddp.reducer.phase.value == "landing"
         if what == "state_dict":
             ddp.state_dict()
+        elif what == "module_state_dict":
+            model[1].state_dict()  # a submodule's
+        elif what == "module_load_state_dict":
+            model.load_state_dict(saved)
         elif what == "no_sync":
             with ddp.no_sync():
                 pass

@@ -274,9 +274,8 @@ class DistributedDataParallel(_Base):
         `overlap.DEFAULT_OVERLAP_BUCKET_MB` (4 MiB) instead of torch's 25 MiB: each is stepped as
         it lands, and smaller ones start reducing earlier in backward. With
         `bucket_cap_mb="auto"` not yet planned, so are the buckets the planner's candidates are
-        tried against.
-        Buckets landed by the end of backward are stepped there, the rest in the next forward,
-        each where one of its parameters is first used; the last `tail_mb` MiB of
+        tried against. Buckets landed by the end of backward are stepped there, the rest in the
+        next forward, each where one of its parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
         chunks of `chunk_mb` MiB, at most `credit_mb` MiB of them reducing at once (0: all;
         `ReducerConfig.priority_tail_bytes`, `credit_bytes`; None: the measured defaults,
@@ -284,11 +283,10 @@ class DistributedDataParallel(_Base):
         `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
         forward runs over the communication still in flight. `step()` returns at once. Read
         parameters or gradients between `step()` and the next forward after `opt.wait()`.
-        Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward and
-        `torch.amp.GradScaler` are refused (`OverlappedOptimizer` says why). Parameters and
-        optimizer state equal torch's DDP with `optimizer` stepped after backward.
-        Every rank must call it alike, with an optimizer over the same parameters (checked:
-        `overlap.agree_on_parameters`)."""
+        Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward
+        and `torch.amp.GradScaler` are refused (`OverlappedOptimizer` says why). Parameters and
+        optimizer state equal torch's DDP with `optimizer` stepped after backward. Every rank
+        must call it alike, its optimizer over the same parameters (`agree_on_parameters`)."""
         reducer = self._reducer_for("overlap_optimizer")
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
         plan = self.bucket_plan()
@@ -297,7 +295,7 @@ class DistributedDataParallel(_Base):
             tail, chunk, credit = plan.tail_settings  # the planner's (a checkpoint's)
         agree_on_tail(self.process_group, tail, chunk, credit)
         agree_on_parameters(self.process_group, reducer.names, held_by(optimizer, reducer.params))
-        overlapped = OverlappedOptimizer(reducer, optimizer)
+        overlapped = OverlappedOptimizer(reducer, optimizer, self.module)
         undecided = self._auto is not None and plan is None  # "auto", not yet planned
         if (getattr(self, "_default_caps", False) or undecided) and not reducer.sharded:
             # Buckets land and are stepped one by one: smaller ones start reducing earlier in

@@ -38,6 +38,7 @@ differs, and is refused rather than silently wrong:
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -77,7 +78,8 @@ class OverlappedOptimizer(Optimizer):
     # GradScaler then calls `step` itself instead of unscaling first: refused there, by name.
     _step_supports_amp_scaling = True
 
-    def __init__(self, reducer: Reducer, optimizer: Optimizer) -> None:
+    def __init__(self, reducer: Reducer, optimizer: Optimizer,
+                 module: torch.nn.Module | None = None) -> None:
         _check_steps_per_parameter(optimizer)
         self.optimizer = optimizer
         self._reducer = weakref.ref(reducer)
@@ -107,7 +109,15 @@ class OverlappedOptimizer(Optimizer):
         # Where the guard may come off the mode stack: every bucket landed, a forward's end.
         reducer.on_use_ended = stepper.release_guard
         finished = reducer.register_finish_hook(stepper.release_guard)
-        weakref.finalize(self, _detach, reducer, finished)
+        # The state_dict() and load_state_dict() of the wrapped `module` and of each module in
+        # it land every bucket first, as the wrapper's do: a checkpoint taken without the
+        # wrapper (Lightning's, Accelerate's `unwrap_model(model).state_dict()`, a submodule's)
+        # holds the stepped parameters. Landing when nothing is landing costs a comparison.
+        land = functools.partial(_land, weakref.ref(reducer))
+        hooks = [] if module is None else [
+            hook for m in module.modules() for hook in (m.register_state_dict_pre_hook(land),
+                                                        m.register_load_state_dict_pre_hook(land))]
+        weakref.finalize(self, _detach, reducer, finished, hooks)
 
     # ------------------------------------------------------------------ the optimizer's face
 
@@ -157,14 +167,21 @@ class OverlappedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ stepping
 
-    def step(self, closure: Callable[[], float] | None = None) -> None:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Returns at once: the buckets are stepped as they land. Checks that no gradient
         was changed since backward, and steps what no bucket holds (the wrapper's delayed or
-        excluded parameters, others the optimizer holds)."""
-        if closure is not None:
-            raise ValueError("OverlappedOptimizer.step: a closure re-evaluates the loss, but each "
-                             "bucket is stepped when its gradients land; use the plain "
-                             "optimizer for closure-based optimizers")
+        excluded parameters, others the optimizer holds). A `closure` (forward and backward:
+        Lightning's automatic optimization passes one) is called once first, with gradients
+        enabled, as an optimizer that steps per parameter calls it; its loss is returned."""
+        if closure is None:
+            self._step()
+            return None
+        with torch.enable_grad():
+            loss = closure()
+        self._step()
+        return loss
+
+    def _step(self) -> None:
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) \
                 is not None:
             raise RuntimeError(_GRAD_SCALER)
@@ -501,10 +518,17 @@ class _Stepper:
             optimizer._release_guard()
 
 
-def _detach(reducer: Reducer, finished: Any) -> None:
+def _detach(reducer: Reducer, finished: Any, hooks: list[Any]) -> None:
     reducer.step_each_bucket(None)
     reducer.on_use_ended = None
-    finished.remove()
+    for handle in [finished, *hooks]:
+        handle.remove()
+
+
+def _land(reducer: weakref.ref[Reducer], *_args: Any) -> None:
+    """A state-dict pre-hook of the wrapped module: every bucket still landing lands first."""
+    if (live := reducer()) is not None:
+        live.land()
 
 
 def held_by(optimizer: Optimizer, params: Sequence[torch.Tensor]) -> list[bool]:

@@ -1,6 +1,7 @@
 """Accelerate's own loop under torchrun (2 CPU ranks, gloo): `accelerator.accumulate` with
 clipping, and `no_sync` followed by `trigger_sync_in_backward` (which calls
-`model.reducer.prepare_for_backward([])` itself)."""
+`model.reducer.prepare_for_backward([])` itself); and gradsync's overlapped optimizer prepared
+by Accelerate with an LR scheduler, against the plain optimizer under torch's DDP."""
 
 from __future__ import annotations
 
@@ -46,5 +47,28 @@ def trigger_sync(out_dir: str, impl: str) -> None:
     common.record(out_dir, "accelerate", impl, "trigger_sync", net, net.losses, model)
 
 
+def overlap(out_dir: str, impl: str) -> None:
+    # The model prepared first: under gradsync it is gradsync's wrapper, whose
+    # overlap_optimizer then goes to Accelerate in the optimizer's place.
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    net = common.model()
+    model = accelerator.prepare(net)
+    optimizer = torch.optim.AdamW(net.parameters(), lr=0.05, weight_decay=0.1)
+    if impl == "gradsync":
+        optimizer = model.overlap_optimizer(optimizer)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    loader = torch.utils.data.DataLoader(common.Points(), batch_size=4, shuffle=False)
+    optimizer, schedule, loader = accelerator.prepare(optimizer, schedule, loader)
+    for batch in loader:
+        with accelerator.accumulate(model):
+            loss = model(batch["x"], batch["labels"])["loss"]
+            accelerator.backward(loss)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+    common.record(out_dir, "accelerate", impl, "overlap", net, net.losses, model)
+
+
 if __name__ == "__main__":
-    common.main("accelerate", {"accumulate": accumulate, "trigger_sync": trigger_sync})
+    common.main("accelerate", {"accumulate": accumulate, "trigger_sync": trigger_sync,
+                               "overlap": overlap})

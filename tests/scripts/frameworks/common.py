@@ -69,9 +69,11 @@ class Points(torch.utils.data.Dataset):
 
 def record(out_dir: str, framework: str, impl: str, config: str, net: nn.Module,
            losses: list[float], wrapper: object) -> None:
-    """This rank's losses, final parameters (as exact floats) and the wrapper's class."""
+    """This rank's losses, final parameters (as exact floats, read as a checkpoint of the
+    module reads them: with gradsync's overlapped optimizer the last step's buckets land
+    first) and the wrapper's class."""
     rank = dist.get_rank()
-    params = {n: p.detach().double().flatten().tolist() for n, p in net.named_parameters()}
+    params = {n: p.detach().double().flatten().tolist() for n, p in net.state_dict().items()}
     cls = type(wrapper)
     result = {
         "framework": framework, "impl": impl, "config": config, "rank": rank,

@@ -1,6 +1,8 @@
 """Lightning's Trainer under torchrun (2 CPU ranks, gloo): automatic optimisation with
 accumulate_grad_batches and clipping, manual optimisation (Lightning prepares the reducer itself),
-static_graph (manual: Lightning calls reducer._delay_all_reduce()), and a communication hook."""
+static_graph (manual: Lightning calls reducer._delay_all_reduce()), a communication hook, and
+gradsync's overlapped optimizer from configure_optimizers (automatic: Lightning passes
+`step` a closure)."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ class HookOnCPU(DDPStrategy):
 
 
 class Lit(L.LightningModule):
-    def __init__(self, manual: bool) -> None:
+    def __init__(self, manual: bool, overlap: bool = False) -> None:
         super().__init__()
         self.net = common.model()
         self.automatic_optimization = not manual
+        self.overlap = overlap  # gradsync's wrapper: step each bucket as it lands
         self.seen: list[object] = []  # a list: a module attribute would make the wrapper a child
 
     def on_train_start(self) -> None:
@@ -40,7 +43,10 @@ class Lit(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if self.overlap:  # the strategy has wrapped the module before it asks for optimizers
+            return self.trainer.strategy.model.overlap_optimizer(optimizer)
+        return optimizer
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(common.Points(), batch_size=4, shuffle=False)
@@ -52,9 +58,10 @@ def fit(
     config: str,
     manual: bool = False,
     strategy: DDPStrategy | None = None,
+    overlap: bool = False,
     **trainer_args: object,
 ) -> None:
-    lit = Lit(manual)
+    lit = Lit(manual, overlap and impl == "gradsync")
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy or DDPStrategy(), max_steps=4, logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -72,6 +79,8 @@ if __name__ == "__main__":
                 o, i, "automatic", accumulate_grad_batches=2, gradient_clip_val=0.5
             ),
             "manual": lambda o, i: fit(o, i, "manual", manual=True),
+            "overlap": lambda o, i: fit(o, i, "overlap", overlap=True, accumulate_grad_batches=2),
+            "overlap_manual": lambda o, i: fit(o, i, "overlap_manual", manual=True, overlap=True),
             "manual_static_graph": lambda o, i: fit(
                 o, i, "manual_static_graph", manual=True, strategy=DDPStrategy(static_graph=True)
             ),
