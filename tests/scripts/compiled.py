@@ -3,7 +3,8 @@
     torchrun --nproc-per-node 2 tests/scripts/compiled.py OUT_DIR BACKEND   # aot_eager | inductor
 
 For each wrapper: eager; compiled with dynamo's DDPOptimizer (the graph split at bucket
-boundaries, `optimize_ddp=True`, the default); compiled whole (`optimize_ddp=False`). Each rank
+boundaries, `optimize_ddp=True`, the default); compiled whole (`optimize_ddp=False`); and with
+AdamW, eager and split, gradsync's overlapped (`overlap_optimizer`). Each rank
 writes the final parameters and, for gradsync, per iteration where the first bucket launch fell
 in backward: how many launches came before the input's gradient (the last thing backward
 computes), and the fraction of backward elapsed at the first launch.
@@ -32,13 +33,18 @@ def build() -> nn.Module:
     return nn.Sequential(*layers, nn.Linear(WIDTH, 8))
 
 
-def train(cls: type, backend: str, mode: str) -> dict:
+def train(cls: type, backend: str, mode: str, overlap: bool = False) -> dict:
+    """`overlap`: AdamW, and gradsync's overlapped AdamW (each bucket landing in the next
+    forward, a graph break each, its step run as written, never compiled with the graph)."""
     torch._dynamo.reset()
     torch._dynamo.config.optimize_ddp = mode != "whole"
     model = build()
     ddp = cls(model, bucket_cap_mb=CAP_MB)
     step_fn = ddp if mode == "eager" else torch.compile(ddp, backend=backend)
-    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    opt = (torch.optim.AdamW(model.parameters(), lr=1e-3) if overlap
+           else torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    if overlap and cls is gradsync.DistributedDataParallel:
+        opt = ddp.overlap_optimizer(opt)
     g = torch.Generator().manual_seed(1 + dist.get_rank())
     started, inputs_done, losses = [], [], []
     for _ in range(STEPS):
@@ -51,6 +57,8 @@ def train(cls: type, backend: str, mode: str) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    if hasattr(opt, "wait"):
+        opt.wait()  # the last step's buckets, before the parameters are read
     result = {
         "params": [p.detach().double().flatten().tolist() for p in model.parameters()],
         "losses": losses,
@@ -83,6 +91,8 @@ def main() -> None:
     ):
         for mode in ("eager", "split", "whole"):
             results[f"{name}.{mode}"] = train(cls, backend, mode)
+        for mode in ("eager", "split"):
+            results[f"{name}.{mode}.overlap"] = train(cls, backend, mode, overlap=True)
     with open(os.path.join(out_dir, f"compiled.{backend}.rank{dist.get_rank()}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -810,6 +810,10 @@ class LandOnUse(TorchFunctionMode):
             self._land_used(args, kwargs)
         return func(*args, **kwargs)
 
+    # Under torch.compile dynamo traces a mode's __torch_function__ into the module's graph:
+    # a landing (a wait, then the optimizer's step) must run as written, not be traced (the
+    # step compiled would round as the compiled kernels do, not as the optimizer's own).
+    @torch.compiler.disable
     def _land_used(self, args: tuple, kwargs: dict) -> None:
         bucket_of = self.bucket_of
         if hit := {bucket_of[id(a)] for a in arguments_among(args, kwargs, bucket_of)}:
