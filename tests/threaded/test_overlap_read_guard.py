@@ -69,20 +69,25 @@ def test_a_read_of_a_parameter_still_landing_raises_naming_it():
         errors = []
         for read in (lambda: model[0].weight.norm(),  # a logged norm
                      lambda: ema["3.bias"].mul_(0.9).add_(model[3].bias, alpha=0.1),  # an EMA
-                     lambda: torch.stack([model[1].bias, model[2].bias])):  # inside a list
+                     lambda: torch.stack([model[1].bias, model[2].bias]),  # inside a list
+                     lambda: model[0].weight.grad.norm(),  # a logged gradient norm, not averaged
+                     lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)):
             with pytest.raises(RuntimeError) as caught:
                 read()
             errors.append(str(caught.value))
         return errors
 
     for errors in _run(body, detail=True):
-        norm, ema, stacked = errors
+        norm, ema, stacked, grad_norm, clipped = errors
         assert "torch.Tensor.norm was given the parameters 0.weight, still being updated by " \
                "the overlapped step" in norm
-        assert "Call opt.wait() before reading parameters" in norm
+        assert "Call opt.wait() before reading parameters or gradients" in norm
         assert "wrapper's own forward, its state_dict() and opt.wait() wait" in norm
         assert "torch.Tensor.add_ was given the parameters 3.bias," in ema
         assert "the parameters 1.bias, 2.bias," in stacked
+        assert "torch.Tensor.norm was given the gradients of 0.weight, still being" in grad_norm
+        assert "a gradient not yet averaged" in grad_norm
+        assert "was given the gradients of 0.weight, 0.bias," in clipped
 
 
 def test_after_wait_the_read_works_and_the_mode_stack_is_as_it_was():
@@ -101,11 +106,12 @@ def test_after_wait_the_read_works_and_the_mode_stack_is_as_it_was():
         assert stepped != unstepped  # the read after opt.wait() sees the stepped value
 
 
-@pytest.mark.parametrize("lands", ["forward", "state_dict", "no_sync", "zero_grad"])
+@pytest.mark.parametrize("lands", ["forward", "state_dict", "no_sync", "zero_grad",
+                                   "zero_in_place"])
 def test_what_gradsync_reads_itself_passes_and_takes_the_guard_off(lands):
     """The wrapper's forward lands each bucket where it uses it; its state_dict() and no_sync()
-    land them all; zero_grad() (the optimizer's and the module's) passes and leaves the guard
-    on, until the buckets land."""
+    land them all; zero_grad() (the optimizer's and the module's, also zeroing in place)
+    passes and leaves the guard on, until the buckets land, which zero them again."""
     def body(rank, group):
         model, ddp, opt = _overlapped(group)
         before = _depth()
@@ -118,15 +124,19 @@ def test_what_gradsync_reads_itself_passes_and_takes_the_guard_off(lands):
             with ddp.no_sync():
                 pass
         else:
-            opt.zero_grad()
-            model.zero_grad()
+            if lands == "zero_in_place":
+                model.zero_grad(set_to_none=False)
+            else:
+                opt.zero_grad()
+                model.zero_grad()
             still = _depth()
             opt.wait()
+            assert all(p.grad is None or not p.grad.any() for p in model.parameters())
             return before, still, _depth()
         return before, before, _depth()
 
     for before, still, after in _run(body, detail=True):
-        assert (still, after) == (before + (lands == "zero_grad"), before)
+        assert (still, after) == (before + lands.startswith("zero"), before)
 
 
 def test_under_a_mode_of_the_users_the_guard_waits_inert_and_is_never_pushed_twice():

@@ -19,15 +19,15 @@ differs, and is refused rather than silently wrong:
   synchronised backward with no `step()` since the last raises, naming the fix.
 - Between backward and the next forward the parameters and `.grad` may still be landing: read
   them after `opt.wait()` (an EMA, a logged norm). With `GRADSYNC_DEBUG=DETAIL`, a torch
-  function given a parameter still landing between `step()` and the next forward raises,
-  naming it (`_ReadGuard`); a read through memory taken earlier (a view or `.data` kept from
-  before, `.data_ptr()`, numpy) is not seen. A gradient changed before `step()` (torch's
-  `clip_grad_norm_`, `GradScaler.unscale_`) comes too late for a step decided by the reduced
-  values: `step()` or the landing raises. `torch.amp.GradScaler` is refused at its `step`,
-  before any parameter has moved: until the first `step()` no bucket is stepped on landing,
-  the landed ones wait for `step()` and its checks (the first iteration overlaps less).
-  Gradients cleared or zeroed after `step()` (`zero_grad`, the module's too) are cleared or
-  zeroed again once the bucket still landing has been stepped.
+  function given a parameter still landing between `step()` and the next forward, or its
+  gradient (not yet averaged), raises, naming it (`_ReadGuard`); a read through memory taken
+  earlier (a view or `.data` kept from before, `.data_ptr()`, numpy) is not seen. A gradient
+  changed before `step()` (torch's `clip_grad_norm_`, `GradScaler.unscale_`) comes too late for
+  a step decided by the reduced values: `step()` or the landing raises. `torch.amp.GradScaler`
+  is refused at its `step`, before any parameter has moved: until the first `step()` no bucket
+  is stepped on landing, the landed ones wait for `step()` and its checks (the first iteration
+  overlaps less). Gradients cleared or zeroed after `step()` (`zero_grad`, the module's too) are
+  cleared or zeroed again once the bucket still landing has been stepped.
 - The wrapper's `state_dict()`, `no_sync()`, `join()`, a forward that will not synchronise
   (eval, no grad) and the next backward land everything first.
 - A bucket holding a parameter this optimizer does not step lands as backward ends, as
@@ -324,22 +324,23 @@ class OverlappedOptimizer(Optimizer):
 
     def _guard_reads(self) -> None:
         """GRADSYNC_DEBUG=DETAIL: until the buckets still landing have landed, a torch function
-        given one of their parameters raises (`_ReadGuard`). Pushed here, on the caller's
-        thread, rather than where backward ends: the autograd engine puts back the mode stack
-        it found once backward is over, dropping a mode pushed inside it. One guard at most:
-        one left on the stack (under a mode of the user's) is armed again."""
+        given one of their parameters or gradients raises (`_ReadGuard`). Pushed here, on the
+        caller's thread, rather than where backward ends: the autograd engine puts back the
+        mode stack it found once backward is over, dropping a mode pushed inside it. One guard
+        at most: one left on the stack (under a mode of the user's) is armed again."""
         if not detail_enabled():
             self._release_guard()  # DETAIL turned off since: nothing new, the old one goes
             return
-        watched = {id(p): index for index, held in self._pending.items() for p, _, _ in held}
-        if not watched:
+        held = [(index, p, g) for index, pending in self._pending.items() for p, g, _ in pending]
+        if not held:
             self._release_guard()
             return
         guard = self._guard if self._guard is not None and _on_stack(self._guard) else None
         if guard is None:
             guard = self._guard = _ReadGuard(self)
             _push_at_bottom(guard)
-        guard.arm(watched)
+        guard.arm({id(p): index for index, p, _ in held},
+                  {id(g): p for _, p, g in held if g is not None})
 
     def _release_guard(self) -> None:
         """Pop the read guard once nothing it watches is still landing, where it is on top of
@@ -359,9 +360,12 @@ class OverlappedOptimizer(Optimizer):
         elif not _on_stack(guard):  # popped by someone else (a `with` block of the user's)
             self._guard = None
 
-    def _read_error(self, func: Callable, params: list[torch.Tensor]) -> RuntimeError:
-        return RuntimeError(_READ_PENDING.format(
-            function=_function_name(func), names=self._named([(p, None) for p in params])))
+    def _read_error(self, func: Callable, params: list[torch.Tensor],
+                    grads_of: list[torch.Tensor]) -> RuntimeError:
+        what = [f"the {kind} {self._named([(p, None) for p in ps])}"
+                for kind, ps in (("parameters", params), ("gradients of", grads_of)) if ps]
+        return RuntimeError(_READ_PENDING.format(function=_function_name(func),
+                                                 what=" and ".join(what)))
 
 
 class _Own:
@@ -393,6 +397,11 @@ _METADATA = frozenset({
 })
 
 
+# What zeroes a gradient in place: `model.zero_grad(set_to_none=False)`, the optimizer's
+# `zero_grad(set_to_none=False)` called on the plain optimizer.
+_CLEARS = frozenset({torch.Tensor.zero_, torch._foreach_zero_, torch.Tensor.detach_})
+
+
 def _metadata(func: Callable) -> bool:
     """Whether `func` reads no parameter's values: a property (`.grad`, `.device`, `.shape`)
     other than `.data`, or one of `_METADATA`."""
@@ -406,23 +415,29 @@ def _metadata(func: Callable) -> bool:
 
 class _ReadGuard(TorchFunctionMode):
     """GRADSYNC_DEBUG=DETAIL, from `step()` until every bucket still landing has landed: a
-    torch function given a parameter of one of those buckets raises, naming it, instead of
-    reading the values from before the step (an EMA, a logged norm: `opt.wait()` first). What
-    gradsync does itself passes: the wrapper's forward (`LandOnUse` lands each bucket first),
-    the landing and stepping, `wait()`, `zero_grad()`. Inert once nothing it watches is landing;
+    torch function given a parameter of one of those buckets, or the gradient it had as
+    backward ended, raises, naming it, instead of reading the values from before the step (an
+    EMA, a logged norm: `opt.wait()` first). What gradsync does itself passes: the wrapper's
+    forward (`LandOnUse` lands each bucket first), the landing and stepping, `wait()`,
+    `zero_grad()`, and a gradient zeroed in place (`model.zero_grad(set_to_none=False)`: it is
+    zeroed again once its bucket lands). Inert once nothing it watches is landing;
     `OverlappedOptimizer._release_guard` pops it from the mode stack."""
 
     def __init__(self, optimizer: OverlappedOptimizer) -> None:
         super().__init__()
         self._optimizer = weakref.ref(optimizer)
-        self.watched: dict[int, int] = {}  # id(parameter) -> its bucket's index
-        self._buckets: frozenset[int] = frozenset()  # those indices
+        self.watched: dict[int, int] = {}  # id(parameter or gradient) -> its bucket's index
+        # id(gradient) -> its parameter. The gradients are held by `_pending` while their
+        # bucket is landing, so no new tensor takes one's id and is taken for it.
+        self._grads: dict[int, torch.Tensor] = {}
+        self._buckets: frozenset[int] = frozenset()  # the buckets' indices
 
-    def arm(self, watched: dict[int, int]) -> None:
-        self.watched, self._buckets = watched, frozenset(watched.values())
+    def arm(self, params: dict[int, int], grads: dict[int, torch.Tensor]) -> None:
+        self.watched = params | {g: params[id(p)] for g, p in grads.items()}
+        self._grads, self._buckets = grads, frozenset(params.values())
 
     def disarm(self) -> None:
-        self.watched, self._buckets = {}, frozenset()
+        self.watched, self._grads, self._buckets = {}, {}, frozenset()
 
     def watching(self) -> bool:
         """Whether a bucket it watches is still landing; disarmed for good once none is."""
@@ -447,11 +462,16 @@ class _ReadGuard(TorchFunctionMode):
         if optimizer._own.depth or (reducer is not None and reducer.on_use is not None):
             return
         if read := self._landing(args, kwargs, optimizer._pending):
-            raise optimizer._read_error(func, read)
+            grads = self._grads
+            if func in _CLEARS:  # a gradient zeroed: zeroed again as it lands, not a read
+                read = [a for a in read if id(a) not in grads]
+            if read:
+                raise optimizer._read_error(func, [a for a in read if id(a) not in grads],
+                                            [grads[id(a)] for a in read if id(a) in grads])
 
     def _landing(self, args: tuple, kwargs: dict, pending: dict) -> list[torch.Tensor]:
-        """The arguments (inside lists and tuples too) that are watched parameters still
-        landing, each once."""
+        """The arguments (inside lists and tuples too) that are watched parameters or
+        gradients still landing, each once."""
         watched = self.watched
         return [a for a in arguments_among(args, kwargs, watched) if watched[id(a)] in pending]
 
@@ -630,12 +650,12 @@ _ACCUMULATED = (
     "torch's DDP, or use the plain optimizer to accumulate across synchronised backwards."
 )
 _READ_PENDING = (
-    "OverlappedOptimizer (GRADSYNC_DEBUG=DETAIL): {function} was given the parameters {names}, "
-    "still being updated by the overlapped step: their bucket has not landed yet, so this "
-    "reads the values from before this step (a write would mix with the step). Call "
-    "opt.wait() before reading parameters between step() and the next forward (an EMA, a "
-    "logged norm); the wrapper's own forward, its state_dict() and opt.wait() wait by "
-    "themselves."
+    "OverlappedOptimizer (GRADSYNC_DEBUG=DETAIL): {function} was given {what}, still being "
+    "updated by the overlapped step: their bucket has not landed yet, so this reads the values "
+    "from before this step (a parameter not yet stepped, a gradient not yet averaged; a write "
+    "would mix with the step). Call opt.wait() before reading parameters or gradients between "
+    "step() and the next forward (an EMA, a logged norm); the wrapper's own forward, its "
+    "state_dict() and opt.wait() wait by themselves."
 )
 _GRAD_SCALER = (
     "OverlappedOptimizer: torch.amp.GradScaler needs every gradient unscaled and checked for "
