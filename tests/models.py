@@ -1,5 +1,6 @@
 """Small models that exercise the shapes DDP meets: many small parameters, a shared (tied)
-parameter, a frozen one, an unused branch, convolutions. Each takes a (batch, 8) float input."""
+parameter, a frozen one, an unused branch, convolutions, complex and double parameters. Each
+takes a (batch, 8) float input."""
 
 from __future__ import annotations
 
@@ -133,3 +134,21 @@ class SparseEmbedding(nn.Module):
 
 
 MODELS["sparse_embedding"] = SparseEmbedding
+
+
+class ComplexAndDouble(nn.Module):
+    """A complex weight (a spectral layer's), a float64 layer and a float32 one: a bucket per
+    dtype, the complex one reduced as torch's DDP reduces it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spectral = nn.Parameter(torch.randn(8, 8, dtype=torch.cfloat) / 8)
+        self.wide = nn.Linear(8, 16).double()
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = (x.to(torch.cfloat) @ self.spectral).abs()
+        return self.out(torch.tanh(self.wide(h.double())).float())
+
+
+MODELS["complex"] = ComplexAndDouble

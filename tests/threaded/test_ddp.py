@@ -47,6 +47,14 @@ def test_matches_torch_ddp(model_name, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("config", [{}, {"find_unused_parameters": True},
+                                    {"gradient_as_bucket_view": True}, {"static_graph": True}])
+def test_complex_and_double_parameters_match_torch(config, world_size):
+    # The ranks' reports ride in the last bucket, here the complex one (they crashed there).
+    _check("complex", world_size, bucket_cap_mb=0.0005, **config)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("as_view", [False, True])
 def test_find_unused_parameters_matches_torch(world_size, as_view):
     _check(

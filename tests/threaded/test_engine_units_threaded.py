@@ -3,6 +3,7 @@ a joined rank's shadow iteration, and the Reducer's phases through one iteration
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import gradsync
@@ -33,10 +34,12 @@ def test_used_map_sums_across_ranks_or_says_who_left_what_unused():
         assert nothing is None  # no reduction started since
 
 
-def test_reports_ride_in_a_tail_or_go_on_their_own():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.cfloat, torch.bfloat16])
+def test_reports_ride_in_a_tail_or_go_on_their_own(dtype):
+    # A complex tail (the last bucket a complex parameter's) carries them in its real part.
     def body(rank, group):
         reports = Reports(group)
-        tail = torch.empty(3)
+        tail = torch.empty(3, dtype=dtype)
         reports.attach(tail, micro_steps=2 + (rank == 2), missing=rank == 1)
         group.allreduce([tail]).wait()
         ridden = reports.finish(_wait, 2)

@@ -136,6 +136,11 @@ def test_configurations_equal_torch_ddp(config):
     _check("many_small", "adamw", per_rank=4, foreach=True, **config)
 
 
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_complex_and_double_parameters_equal_torch_ddp(optimizer):
+    _check("complex", optimizer, foreach=None, bucket_cap_mb=0.0005)
+
+
 @pytest.mark.parametrize("as_view", [False, True])
 def test_a_parameter_unused_on_every_rank_is_skipped_as_the_plain_optimizer_skips_it(as_view):
     results = _check("unused_branch", "adam", find_unused_parameters=True,

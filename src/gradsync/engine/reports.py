@@ -49,7 +49,10 @@ class RankReport:
 
 
 def saturation(dtype: torch.dtype) -> int:
-    """The count written in place of any count at least this large, for `dtype`."""
+    """The count written in place of any count at least this large, for `dtype` (a complex
+    dtype's: its real part's)."""
+    if dtype.is_complex:
+        dtype = dtype.to_real()
     if dtype.is_floating_point:
         # 2 ** (mantissa bits + 1): integers exact to here
         exact = round(2 / torch.finfo(dtype).eps)
@@ -68,11 +71,12 @@ def encode(out: torch.Tensor, rank: int, micro_steps: int, missing: bool) -> tor
 
 
 def decode(values: list[float], dtype: torch.dtype) -> list[RankReport]:
-    """Every rank's report from the summed vector (as a list of numbers)."""
+    """Every rank's report from the summed vector (as a list of numbers; complex ones, from a
+    complex bucket, carry it in their real part)."""
     top = saturation(dtype)
     reports = []
     for value in values:
-        code = int(round(value))
+        code = int(round(value.real))
         count = code // 2
         reports.append(RankReport(micro_steps=None if count >= top else count,
                                   missing=bool(code % 2)))
