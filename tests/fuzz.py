@@ -2,7 +2,7 @@
 
 `Case.from_seed(seed)` draws a model (branches used by rank or iteration, outputs left out of the
 loss, frozen and tied parameters, buffers, sparse and dense embeddings, a float64 branch, two
-convolutions in channels-last memory) and a
+convolutions in channels-last memory, a complex weight) and a
 configuration (find_unused_parameters, static_graph, bucket caps down to one parameter per
 bucket, gradient_as_bucket_view, no_sync accumulation, requires_grad turned off (and on again)
 after wrapping, torch's and gradsync's communication
@@ -44,7 +44,7 @@ HOOKS = ("none", "torch_allreduce", "torch_fp16", "gradsync_fp16", "gradsync_bf1
 
 @dataclasses.dataclass(frozen=True)
 class Block:
-    kind: str  # linear | branch | frozen | tied | double | embed | bn | conv
+    kind: str  # linear | branch | frozen | tied | double | embed | bn | conv | complex
     use: str = "always"  # for branch: when it runs
     aux: str = "none"  # if not "none": its output is also returned, and the loss uses it then
     head: str = "linear"  # the aux output's head: a Linear of its own, or parameter-free
@@ -150,6 +150,11 @@ class Case:
             case = dataclasses.replace(case, tail=(rng.choice((0.0002, 0.001)),
                                                    rng.choice((0.00003, 0.0001)),
                                                    rng.choice((0.0, 0.00003, 0.0001))))
+        # After those, for the same reason: a complex layer, not under a compression hook
+        # (which casts the bucket to a real dtype, dropping the imaginary parts, torch's too);
+        # last, so the blocks' indices that the fields above name stay theirs.
+        if hook in ("none", "torch_allreduce") and rng.random() < 0.25:
+            case = dataclasses.replace(case, blocks=case.blocks + (Block("complex"),))
         return case
 
     def torch_kwargs(self) -> dict[str, Any]:
@@ -239,6 +244,8 @@ class Generated(nn.Module):
                 layer = nn.BatchNorm1d(d)
             elif block.kind == "double":
                 layer = nn.Linear(d, d).double()
+            elif block.kind == "complex":
+                layer = _Spectral(d)
             elif block.kind == "conv":
                 # Channels-last weights of both kinds: (3, 1, 3, 3) is contiguous in both memory
                 # formats, (1, 3, 3, 3) only in channels-last; their gradients' strides must
@@ -269,6 +276,8 @@ class Generated(nn.Module):
                 h = h + layer(idx).mean(dim=1)
             elif block.kind == "double":
                 h = h + torch.tanh(layer(h.double())).float()
+            elif block.kind == "complex":
+                h = torch.tanh(h + layer(h))
             elif block.kind == "conv":  # the width as a one-channel 2 x width/2 image
                 image = h.reshape(h.shape[0], 1, 2, -1).contiguous(
                     memory_format=torch.channels_last
@@ -283,6 +292,17 @@ class Generated(nn.Module):
             return outputs
         values = list(outputs.values())
         return tuple(values) if self.case.container == "tuple" else values
+
+
+class _Spectral(nn.Module):
+    """A complex weight, as in a spectral (Fourier) layer: |h W|."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d, dtype=torch.cfloat) / d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return (h.to(torch.cfloat) @ self.weight).abs()
 
 
 def loss_of(case: Case, outputs: Any, rank: int, step: int) -> torch.Tensor:
@@ -440,6 +460,8 @@ def _differs(
         ]
     if a is None or b is None:
         return []
+    if a.is_complex() or b.is_complex():  # both parts compared (`double()` drops the imaginary)
+        a, b = torch.view_as_real(a.resolve_conj()), torch.view_as_real(b.resolve_conj())
     # At 3 ranks a ring all-reduce sums each element in an order set by where the bucket's
     # chunks fall, so a layout torch does not share (a static graph that accumulates is
     # compared with torch's dynamic one, ZeRO's reduce-scatter with torch's all-reduce)

@@ -79,6 +79,17 @@ def test_torch_hooks_match_torch_ddp(hook_name, world_size):
         assert_records_equal(ours, theirs, exact=world_size == 2, what=f"{hook_name} rank {rank}")
 
 
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_torchs_allreduce_hook_on_complex_parameters_matches_torch_ddp(world_size):
+    # torch.distributed.all_reduce reduces a complex bucket as its real view and hands that
+    # back: the hook's result is (n, 2) real numbers for n complex ones, which torch's DDP takes.
+    batches = make_batches(STEPS, world_size)
+    results = run_threaded(_both, world_size, "allreduce", "complex", batches,
+                           {"bucket_cap_mb": 0.0005}, timeout=120)
+    for rank, (ours, theirs) in enumerate(results):
+        assert_records_equal(ours, theirs, exact=world_size == 2, what=f"rank {rank}")
+
+
 @pytest.mark.parametrize("kwargs", [
     {"gradient_as_bucket_view": True},
     {"micro_steps": 2},

@@ -26,7 +26,10 @@ def test_generated_case_matches_torch_ddp(seed):
 def test_the_generator_covers_what_it_promises():
     cases = [Case.from_seed(s) for s in range(FIRST, FIRST + CASES)]
     kinds = {b.kind for c in cases for b in c.blocks}
-    assert kinds >= {"linear", "branch", "frozen", "tied", "double", "embed", "bn", "conv"}
+    assert kinds >= {"linear", "branch", "frozen", "tied", "double", "embed", "bn", "conv",
+                     "complex"}
+    assert any(c.zero and any(b.kind == "complex" for b in c.blocks) for c in cases)
+    assert any(c.overlap and any(b.kind == "complex" for b in c.blocks) for c in cases)
     # layouts differ there
     assert any(c.as_view and any(b.kind == "conv" for b in c.blocks) for c in cases)
     assert any(c.zero and any(b.kind == "conv" for b in c.blocks) for c in cases)

@@ -19,9 +19,16 @@ import torch
 
 from .pool import BufferPool
 
-__all__ = ["BucketShard", "ReduceBy", "member", "scaled_into"]
+__all__ = ["BucketShard", "ReduceBy", "as_real", "member", "scaled_into"]
 
 _Mode = TypeVar("_Mode", bound=enum.Enum)
+
+
+def as_real(tensor: torch.Tensor) -> torch.Tensor:
+    """A flat complex tensor as the real one it is made of (twice the elements), others as they
+    are: gloo's all-gather and all-to-all refuse complex tensors, and what torch's own
+    `torch.distributed` functions do for them is this view."""
+    return torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
 
 
 class ReduceBy(str, enum.Enum):
@@ -148,7 +155,8 @@ class BucketShard:
         if source.dtype != self.shard.dtype:  # summed in its own dtype, taken into the shard's
             target = self.cast_shard = torch.empty(self.shard.numel(), dtype=source.dtype,
                                                    device=self.device)
-        return group._reduce_scatter_base(target, source, torch.distributed.ReduceScatterOptions())
+        return group._reduce_scatter_base(as_real(target), as_real(source),
+                                          torch.distributed.ReduceScatterOptions())
 
     def _all_to_all(self, group: torch.distributed.ProcessGroup,
                     source: torch.Tensor) -> torch.distributed.Work:
@@ -165,7 +173,9 @@ class BucketShard:
         else:
             send, splits = source, [chunk] * world
         self.received = self._receive_buffer(send.numel(), source)
-        return group.alltoall_base(self.received, send, splits, splits,
+        if source.is_complex():  # sent as the real numbers it is made of: two each
+            splits = [2 * n for n in splits]
+        return group.alltoall_base(as_real(self.received), as_real(send), splits, splits,
                                    torch.distributed.AllToAllOptions())
 
     def _receive_buffer(self, numel: int, like: torch.Tensor) -> torch.Tensor:

@@ -144,12 +144,16 @@ def check_registration(current: tuple[object, CommHook] | None, hook: object, it
 def check_hook_result(value: object, bucket: Bucket, expected: torch.Tensor, name: str,
                       where: str) -> torch.Tensor:
     """A hook's result, refused unless it is a tensor of the bucket's shape, in its dtype or the
-    one the hook gave it (`GradBucket.set_buffer`)."""
+    one the hook gave it (`GradBucket.set_buffer`). A complex bucket's may come as its real
+    view (`torch.distributed.all_reduce` reduces a complex tensor as `view_as_real`, and so
+    hands it back: torch's `allreduce_hook`), taken as the complex values it views."""
     if not isinstance(value, torch.Tensor):
         raise GradSyncError(
             f"gradsync: communication hook {name} completed {where} with "
             f"{type(value).__name__}; its Future must carry the reduced bucket tensor"
         )
+    if expected.is_complex() and not value.is_complex() and value.shape == (*expected.shape, 2):
+        value = torch.view_as_complex(value)
     # The bucket's own dtype, or the one the hook gave it with set_buffer (a compressed result
     # is written back through a cast, as torch does).
     dtypes = {bucket.buffer.dtype, expected.dtype}

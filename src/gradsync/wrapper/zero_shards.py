@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..engine.bucket import Bucket, is_dense_permutation, view_like
+from ..engine.bucket_shard import as_real
 from ..engine.collectives import all_reduce, wait
 from ..engine.pool import BufferPool
 from ..engine.reducer import Reducer
@@ -184,14 +185,14 @@ class Gathers:
 
     def _gather(self, full: torch.Tensor, chunk: int) -> list[dist.Work]:
         if not self._by_broadcasts:  # in place: each rank's slice is already where it belongs
-            return [
-                self.group._allgather_base(full, full.narrow(0, self.group.rank() * chunk, chunk))
-            ]
+            mine = full.narrow(0, self.group.rank() * chunk, chunk)
+            return [self.group._allgather_base(as_real(full), as_real(mine))]
         works = []
         for root in range(self.group.size()):
             options = dist.BroadcastOptions()
             options.rootRank = root
-            works.append(self.group.broadcast([full.narrow(0, root * chunk, chunk)], options))
+            works.append(self.group.broadcast([as_real(full.narrow(0, root * chunk, chunk))],
+                                              options))
         return works
 
     def finish(self, indices: Sequence[int]) -> None:
