@@ -193,6 +193,17 @@ def test_under_torchrun_max_restarts_a_killed_rank_resumes_and_ends_exactly_like
         assert torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.parametrize("ending", ["destroy", "exit"])
+def test_a_script_ending_with_the_last_steps_buckets_in_flight_exits_cleanly(ending):
+    # Before: a gloo collective completing during interpreter finalization called back into
+    # Python from gloo's thread and aborted every rank (SIGABRT, "terminate called without an
+    # active exception"), 6 runs of 6. At exit the reducer now waits for what is in flight.
+    result = run_torchrun(os.path.join(SCRIPTS, "ends_after_step.py"), 2, [ending], timeout=120)
+    assert result.stdout.count("done") == 2, result.stdout
+    assert "terminate called" not in result.stdout, result.stdout
+    assert "phase: landing" in result.stdout, result.stdout  # the case this is about
+
+
 @pytest.mark.timeout(400)
 def test_the_overlapped_optimizer_resumes_in_a_new_torchrun_job_exactly(tmp_path):
     import torch

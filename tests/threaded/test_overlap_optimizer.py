@@ -588,6 +588,37 @@ def test_a_parameter_used_outside_its_own_module_lands_before_that_use():
     assert all(torch.equal(a, b) for a, b in zip(*ours))
 
 
+def test_an_evaluation_under_inference_mode_between_steps_lands_and_training_goes_on():
+    """Validation under torch.inference_mode() lands the buckets first: their write-back and
+    the first step's optimizer state (AdamW's, made lazily) stay ordinary tensors, which the
+    next step updates in place (made under inference mode, that step raised)."""
+    def train(rank, group, wrapper):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = wrapper(model, process_group=group, bucket_cap_mb=1e-7)  # one per tensor
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if wrapper is GradsyncDDP:
+            opt = ddp.overlap_optimizer(opt, tail_mb=0)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0:  # the first step's buckets, and their optimizer state, land here
+                with torch.inference_mode():
+                    ddp.eval()
+                    ddp(torch.randn(4, 8, generator=g))
+                    ddp.train()
+        if wrapper is GradsyncDDP:
+            opt.wait()
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def body(rank, group):  # every bucket lands late: `_Held`
+        return train(rank, _Held(group), GradsyncDDP), train(rank, group, TorchDDP)
+
+    for ours, theirs in run_threaded(body, 2, timeout=60):
+        assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+
+
 def test_the_trace_shows_each_buckets_step_and_the_forward_on_tracks_of_their_own():
     def body(rank, group):
         model = seeded(_layers, 0)

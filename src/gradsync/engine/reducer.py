@@ -52,7 +52,7 @@ from .errors import GradSyncError, format_names, marked_twice_message
 from .events import EventClock, final_reading, last_tokens, resolve_timeline
 from .iteration import Iteration
 from .pool import BufferPool
-from .reductions import BucketStepper, Reductions, profiled
+from .reductions import BucketStepper, Reductions, profiled, quiesce
 from .reports import ReportChecks
 from .settings import Settings, changed_config
 from .timeline import DiscardedEvents, EventKind, IterationTimeline, untimed
@@ -134,6 +134,7 @@ class Reducer:
         held = self._settings.find_unused and config.bucket_dtype is None
         self._accumulators = Accumulators(self.params) if held else None
         _attach_hooks(self)
+        _quiesce_at_exit(self)
 
     @property
     def iteration_listeners(self) -> list[Callable[[int, Any], None]]:
@@ -542,7 +543,11 @@ class Reducer:
         error: the iteration is then dropped). True once ended."""
         done = True  # an error ends the iteration too
         try:
-            with torch.no_grad(), profiled("gradsync.finish_backward"):
+            # Outside any inference mode of the caller's (an evaluation under
+            # torch.inference_mode() lands the buckets first): the gradients written back and
+            # the optimizer state its step creates must stay tensors the next step may update.
+            with torch.inference_mode(False), torch.no_grad(), \
+                    profiled("gradsync.finish_backward"):
                 done = self._reductions.write_back(it, buckets, landed_only)
         finally:
             if done:
@@ -897,6 +902,16 @@ def _on_backward_start(reducer: weakref.ref[Reducer], it: Iteration, _grads: obj
         it.unused, it.answered = live._answer_in_backward(it.search, None), True
     if not it.end_queued and live.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED):
         live._queue_end_of_backward(it)
+
+
+def _quiesce_at_exit(reducer: Reducer) -> None:
+    """Once the reducer is dropped, or at interpreter exit if it never is, wait a little for
+    its collectives still in flight (`reductions.quiesce`). The overlapped optimizer leaves the
+    last step's buckets reducing after `step()`, and a script may end right there: a gloo
+    collective completing while the interpreter is being finalized calls back into Python (its
+    completion callback) from gloo's thread, which aborts the process ("terminate called
+    without an active exception"). The flights are held, not the reducer: it stays free to go."""
+    weakref.finalize(reducer, quiesce, reducer._reductions.flights)
 
 
 def _attach_hooks(reducer: Reducer) -> None:

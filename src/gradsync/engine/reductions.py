@@ -47,7 +47,7 @@ from .timeline import EventKind
 from .used_map import UsedMap
 from .waits import Waits
 
-__all__ = ["BucketStepper", "Flight", "Reductions", "Stage", "profiled"]
+__all__ = ["QUIESCE_S", "BucketStepper", "Flight", "Reductions", "Stage", "profiled", "quiesce"]
 
 
 class Stage(enum.IntEnum):
@@ -138,7 +138,7 @@ class Reductions:
         """A new layout's buckets (`bucket_set`'s), and the order to start them in
         (`layout.priority_tail`); None: by index, as they fill in ready order."""
         self.buckets = self.bucket_set.buckets
-        self.flights = [Flight() for _ in self.buckets]
+        self.flights[:] = [Flight() for _ in self.buckets]  # the same list: `quiesce` holds it
         self._cleared = True
         self._by_index = list(range(len(self.buckets)))
         self.order = order if order is not None else self._by_index
@@ -175,7 +175,7 @@ class Reductions:
             return
         for bucket, flight in zip(self.buckets, self.flights):
             bucket.reset(reusable=flight.work is None or flight.work.is_completed())
-        self.flights, self._cleared = [Flight() for _ in self.buckets], True
+        self.flights[:], self._cleared = [Flight() for _ in self.buckets], True
 
     def reports_in_tail(self) -> bool:
         """Whether this rank's report rides after the last bucket's gradients in its
@@ -629,6 +629,21 @@ def _hook_completed(done: threading.Event, events: list, clock: Callable[[], int
 def _record_completion(events: list, clock: Callable[[], int], bucket_index: int,
                        _future: object) -> None:
     events.append((clock(), EventKind.COMPLETE, bucket_index))
+
+
+# How long the collectives left in flight may take once their reducer is gone: a bucket's
+# transfer, on links far slower than the emulated cluster's. One that takes longer is stuck
+# (a peer gone elsewhere), and the exit of a failed run must not wait for it any longer.
+QUIESCE_S = 10.0
+
+
+def quiesce(flights: list[Flight], seconds: float = QUIESCE_S) -> None:
+    """Wait, at most `seconds` in all, for the collectives of `flights` in flight to complete,
+    landing and starting nothing (`reducer._quiesce_at_exit`)."""
+    deadline = time.monotonic() + seconds
+    for flight in flights:
+        if flight.work is not None:
+            _completes_within(flight.work, max(0.0, deadline - time.monotonic()))
 
 
 def _completes_within(work: dist.Work, seconds: float) -> bool:
