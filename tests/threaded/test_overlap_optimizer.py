@@ -311,11 +311,28 @@ def test_sharded_gradients_are_refused():
         with pytest.raises(RuntimeError, match="overlap_optimizer"):
             gradsync.ZeroRedundancyOptimizer(model.parameters(), torch.optim.SGD, lr=0.1,
                                              process_group=group)
-        with pytest.raises(RuntimeError, match="already stepped by another"):
-            ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         return True
 
     assert run_threaded(body, 2, timeout=60) == [True, True]
+
+
+def test_a_second_overlapped_optimizer_is_refused_naming_the_first_and_the_fix():
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        first = ddp.overlap_optimizer(torch.optim.AdamW(model.net[0].parameters(), lr=0.1))
+        with pytest.raises(RuntimeError) as refused:
+            ddp.overlap_optimizer(torch.optim.SGD(model.net[4].parameters(), lr=0.1))
+        del first  # dropped: another may step the buckets now
+        ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        return str(refused.value)
+
+    for message in run_threaded(body, 2, timeout=60):
+        assert message == (
+            "overlap_optimizer: this wrapper's buckets are already stepped by an overlapped "
+            "AdamW (over 2 of its 6 parameters), and one optimizer at a time steps them. Step "
+            "other parameters with a plain optimizer after backward (their buckets land as "
+            "backward ends), or drop the first (del opt) before overlapping SGD")
 
 
 # ------------------------------------------------------------------ the next forward's waits

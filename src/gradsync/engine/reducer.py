@@ -586,6 +586,11 @@ class Reducer:
         self._reductions.stepper, self._reductions.lazily = stepper, lazily
 
     @property
+    def bucket_stepper(self) -> BucketStepper | None:
+        """What steps each bucket as it lands (`step_each_bucket`), if anything does."""
+        return self._reductions.stepper
+
+    @property
     def lands_lazily(self) -> bool:
         """Whether backward ends with buckets still reducing, each landing (and stepped) where
         its parameters are next needed: an optimizer stepped per bucket, lazily, in a

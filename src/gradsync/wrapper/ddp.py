@@ -288,6 +288,15 @@ class DistributedDataParallel(_Base):
         optimizer state equal torch's DDP with `optimizer` stepped after backward. Every rank
         must call it alike, its optimizer over the same parameters (`agree_on_parameters`)."""
         reducer = self._reducer_for("overlap_optimizer")
+        if (current := reducer.bucket_stepper) is not None:  # alike on every rank: no hang
+            held = getattr(current, "stepped_by", None)
+            raise RuntimeError(
+                f"overlap_optimizer: this wrapper's buckets are already stepped by an "
+                f"overlapped {type(held).__name__} (over {sum(held_by(held, reducer.params))} "
+                f"of its {len(reducer.params)} parameters), and one optimizer at a time steps "
+                f"them. Step other parameters with a plain optimizer after backward (their "
+                f"buckets land as backward ends), or drop the first (del opt) before "
+                f"overlapping {type(optimizer).__name__}")
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
         plan = self.bucket_plan()
         if (tail_mb is None and chunk_mb is None and credit_mb is None and plan is not None

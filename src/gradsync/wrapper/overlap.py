@@ -513,6 +513,12 @@ class _Stepper:
     def __init__(self, optimizer: OverlappedOptimizer) -> None:
         self._optimizer = weakref.ref(optimizer)
 
+    @property
+    def stepped_by(self) -> Optimizer | None:
+        """The optimizer the overlapped one wraps (None once it is gone)."""
+        optimizer = self._optimizer()
+        return optimizer.optimizer if optimizer is not None else None
+
     def backward_ended(self, pending: Sequence[Bucket]) -> None:
         if (optimizer := self._optimizer()) is not None:
             with optimizer._own:
@@ -551,7 +557,7 @@ def _land(reducer: weakref.ref[Reducer], *_args: Any) -> None:
         live.land()
 
 
-def held_by(optimizer: Optimizer, params: Sequence[torch.Tensor]) -> list[bool]:
+def held_by(optimizer: object, params: Sequence[torch.Tensor]) -> list[bool]:
     """Whether `optimizer` holds each of `params` (none, for what is no optimizer: refused
     after the ranks have agreed, so that every rank passes the same collectives)."""
     groups = getattr(optimizer, "param_groups", None)
