@@ -77,6 +77,7 @@ from .overlap import (
     agree_on_parameters,
     agree_on_tail,
     held_by,
+    refuse_another,
     tail_bytes,
 )
 from .torch_compat import (
@@ -283,20 +284,11 @@ class DistributedDataParallel(_Base):
         `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
         forward runs over the communication still in flight. `step()` returns at once. Read
         parameters or gradients between `step()` and the next forward after `opt.wait()`.
-        Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward
-        and `torch.amp.GradScaler` are refused (`OverlappedOptimizer` says why). Parameters and
-        optimizer state equal torch's DDP with `optimizer` stepped after backward. Every rank
-        must call it alike, its optimizer over the same parameters (`agree_on_parameters`)."""
+        Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward,
+        `torch.amp.GradScaler` and a second overlapped optimizer are refused, saying why. Results
+        equal torch's DDP's with `optimizer` stepped after backward. Call it alike on every rank."""
         reducer = self._reducer_for("overlap_optimizer")
-        if (current := reducer.bucket_stepper) is not None:  # alike on every rank: no hang
-            held = getattr(current, "stepped_by", None)
-            raise RuntimeError(
-                f"overlap_optimizer: this wrapper's buckets are already stepped by an "
-                f"overlapped {type(held).__name__} (over {sum(held_by(held, reducer.params))} "
-                f"of its {len(reducer.params)} parameters), and one optimizer at a time steps "
-                f"them. Step other parameters with a plain optimizer after backward (their "
-                f"buckets land as backward ends), or drop the first (del opt) before "
-                f"overlapping {type(optimizer).__name__}")
+        refuse_another(reducer, optimizer)
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
         plan = self.bucket_plan()
         if (tail_mb is None and chunk_mb is None and credit_mb is None and plan is not None

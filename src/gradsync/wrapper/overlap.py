@@ -54,7 +54,7 @@ from ..observability.log import detail_enabled
 
 __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_OVERLAP_BUCKET_MB", "DEFAULT_TAIL_MB",
            "OverlappedOptimizer", "agree_on_parameters", "agree_on_tail", "held_by",
-           "tail_bytes"]
+           "refuse_another", "tail_bytes"]
 
 # Measured on the emulated cluster (docs/benchmarks/2026-12-06-overlap-optimizer.md).
 DEFAULT_TAIL_MB = 4.0
@@ -555,6 +555,21 @@ def _land(reducer: weakref.ref[Reducer], *_args: Any) -> None:
     """A state-dict pre-hook of the wrapped module: every bucket still landing lands first."""
     if (live := reducer()) is not None:
         live.land()
+
+
+def refuse_another(reducer: Reducer, optimizer: Optimizer) -> None:
+    """Refuse to overlap `optimizer` where another overlapped optimizer steps the buckets
+    already, naming it and the fix; alike on every rank, before any collective."""
+    if (current := reducer.bucket_stepper) is None:
+        return
+    held = getattr(current, "stepped_by", None)
+    raise RuntimeError(
+        f"overlap_optimizer: this wrapper's buckets are already stepped by an overlapped "
+        f"{type(held).__name__} (over {sum(held_by(held, reducer.params))} of its "
+        f"{len(reducer.params)} parameters), and one optimizer at a time steps them. Step "
+        f"other parameters with a plain optimizer after backward (their buckets land as "
+        f"backward ends), or drop the first (del opt) before overlapping "
+        f"{type(optimizer).__name__}")
 
 
 def held_by(optimizer: object, params: Sequence[torch.Tensor]) -> list[bool]:
