@@ -80,8 +80,12 @@ def test_gloo_group_registers_gloo_for_each_device_type_asked_and_refuses_others
 
 
 def _process_body(rank, group, mode):
-    if mode == "raise" and rank == 1:
-        raise KeyError("process rank failed")
+    if mode == "raise":
+        # Both ranks connected first: else rank 0 may return and close its end while rank 1 is
+        # still connecting, which then fails in gloo's connectFullMesh, not in the body (CI).
+        group.allreduce([torch.zeros(1)]).wait()
+        if rank == 1:
+            raise KeyError("process rank failed")
     if mode == "hang" and rank == 0:
         group.allreduce([torch.zeros(1)]).wait()
         time.sleep(600)
