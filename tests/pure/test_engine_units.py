@@ -4,6 +4,7 @@ the static graph's counts, the reports' encoding (see also test_reliability), th
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -285,3 +286,29 @@ def test_a_step_after_a_pause_longer_than_itself_is_not_a_trial_sample():
     paused = [step(1, 0.0, 10.0), step(2, 40.0, 50.0)]  # 30 ms idle before a 10 ms step
     assert not _after_pause(steady, 10.0) and _after_pause(paused, 10.0)
     assert not _after_pause(paused[1:], 10.0)  # nothing before it: counted
+
+
+class _Stuck:
+    """A collective that never completes (a peer gone elsewhere)."""
+
+    def is_completed(self):
+        return False
+
+
+class _Done:
+    def is_completed(self):
+        return True
+
+
+def test_quiesce_waits_for_collectives_in_flight_within_its_bound_and_no_longer():
+    # At exit or once the reducer is dropped (`reducer._quiesce_at_exit`): never forever.
+    from gradsync.engine.reductions import Flight, quiesce
+
+    stuck, done, idle = Flight(), Flight(), Flight()
+    stuck.work, done.work = _Stuck(), _Done()
+    start = time.monotonic()
+    quiesce([done, idle, stuck, stuck], seconds=0.2)  # the bound is for all of them together
+    assert 0.2 <= time.monotonic() - start < 1.0
+    start = time.monotonic()
+    quiesce([done, idle])
+    assert time.monotonic() - start < 0.1

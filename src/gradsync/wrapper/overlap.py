@@ -398,8 +398,9 @@ _METADATA = frozenset({
 
 
 # What zeroes a gradient in place: `model.zero_grad(set_to_none=False)`, the optimizer's
-# `zero_grad(set_to_none=False)` called on the plain optimizer.
-_CLEARS = frozenset({torch.Tensor.zero_, torch._foreach_zero_, torch.Tensor.detach_})
+# `zero_grad(set_to_none=False)` called on the plain optimizer. Compared by identity: some
+# functions a mode is given are unhashable.
+_CLEARS = (torch.Tensor.zero_, torch._foreach_zero_, torch.Tensor.detach_)
 
 
 def _metadata(func: Callable) -> bool:
@@ -463,7 +464,7 @@ class _ReadGuard(TorchFunctionMode):
             return
         if read := self._landing(args, kwargs, optimizer._pending):
             grads = self._grads
-            if func in _CLEARS:  # a gradient zeroed: zeroed again as it lands, not a read
+            if any(func is c for c in _CLEARS):  # zeroed: again as it lands; not a read
                 read = [a for a in read if id(a) not in grads]
             if read:
                 raise optimizer._read_error(func, [a for a in read if id(a) not in grads],
