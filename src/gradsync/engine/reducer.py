@@ -401,13 +401,16 @@ class Reducer:
         # never followed by backward then leaves no half-done iteration behind.
         if it.search is not None:  # the search's answer, for good (asked now if backward has
             if not it.answered:  # not reached the outputs' node yet)
-                it.unused = self._answer_in_backward(it.search, first)
+                unused = self._answer_in_backward(it.search, first)
+                assert unused is not None, "a gradient came inside torch.autograd.grad"
+                it.unused = unused
             it.search = None
         it.unused_pending = False
         for unused in it.unused:
             self._mark(it, unused, EventKind.UNUSED)
 
-    def _answer_in_backward(self, search: Callable[[], Any], first: int | None) -> list[int]:
+    def _answer_in_backward(self, search: Callable[[], Any], first: int | None,
+                            ) -> list[int] | None:
         """The search left for backward, answered there: in the outputs' node's prehook
         (`first` is None), or at a gradient that came before backward reached that node
         (`first`, its index).
@@ -417,7 +420,8 @@ class Reducer:
         outside forward, which torch's DDP rejects). A gradient that came first, while that
         node is still to run, is one of those: torch's DDP marks it unused, then ready, and
         raises; so does the Reducer, given it as unused. A backward that does not run through
-        the node gets the walk's answer, or, the node gone with its graph, the engine's."""
+        the node gets the walk's answer, or, the node gone with its graph, the engine's. None
+        inside `torch.autograd.grad`, which accumulates no gradient (`_on_backward_start`)."""
         assert self._accumulators is not None, ("a search waits for backward only with "
                                                 "accumulators held")
         node = search() if first is not None else None
@@ -904,7 +908,9 @@ def _on_backward_start(reducer: weakref.ref[Reducer], it: Iteration, _grads: obj
     if live is None or live._it is not it:
         return
     if it.search is not None and live.phase is Phase.PREPARED:
-        it.unused, it.answered = live._answer_in_backward(it.search, None), True
+        if (unused := live._answer_in_backward(it.search, None)) is None:
+            return  # torch.autograd.grad: the search waits for a backward that accumulates
+        it.unused, it.answered = unused, True
     if not it.end_queued and live.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED):
         live._queue_end_of_backward(it)
 

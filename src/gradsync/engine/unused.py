@@ -72,10 +72,17 @@ class Accumulators:
         self._params = list(params)
         self._nodes = current_accumulators(self._params)
 
-    def unused(self) -> list[int]:
-        """Inside backward: the parameters whose accumulator this backward will not run."""
+    def unused(self) -> list[int] | None:
+        """Inside backward: the parameters whose accumulator this backward will not run. None
+        inside `torch.autograd.grad`, which runs none (it captures the gradients it returns;
+        the engine refuses to be asked about an accumulator there)."""
         will_run = torch._C._will_engine_execute_node
-        idle = [i for i, node in enumerate(self._nodes) if node is None or not will_run(node)]
+        try:
+            idle = [i for i, node in enumerate(self._nodes) if node is None or not will_run(node)]
+        except RuntimeError as error:
+            if "autograd.grad" in str(error):
+                return None
+            raise
         if not idle:
             return idle
         # Setting `p.data` to another dtype or device drops the parameter's accumulator, and
