@@ -3,6 +3,7 @@ same parameters, gradients (None-ness included) and buffers, for each feature it
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import sys
@@ -195,6 +196,45 @@ def test_pickles_like_torch_ddp():
             assert torch.equal(a, b)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("optimizer", ["plain", "overlapped", "zero-2", "zero-2 gathers late"])
+def test_the_wrapped_module_pickles_and_copies_alone_and_the_copy_is_not_wrapped(optimizer):
+    # torch.save(model) and copy.deepcopy(model) (an EMA) of the module inside the wrapper: the
+    # hooks gradsync hangs on it hold the wrapper's parts weakly, which once did not pickle
+    # (the overlapped optimizer's state-dict hooks, ZeRO-2's gathers before each module).
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if optimizer == "overlapped":
+            opt = ddp.overlap_optimizer(opt)
+        elif optimizer.startswith("zero-2"):
+            opt = gradsync.ZeroRedundancyOptimizer(
+                model.parameters(), torch.optim.AdamW, lr=0.01, process_group=group,
+                overlap_param_gather=optimizer.endswith("late"))
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        copies = []
+        for _ in range(2):
+            ddp(x).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            getattr(opt, "wait", lambda: None)()  # parameters read directly: landed first
+            saved = io.BytesIO()
+            torch.save(model, saved)
+            saved.seek(0)
+            copies += [torch.load(saved, weights_only=False), copy.deepcopy(model)]
+        for c in copies:  # trains alone: no collective, nothing of the wrapper's runs
+            c(x).sum().backward()
+        ddp(x).sum().backward()  # and the wrapper goes on, apart from its copies
+        opt.step()
+        getattr(opt, "wait", lambda: None)()
+        return [[p.detach() for p in c.parameters()] for c in copies[-2:]], [
+            p.detach() for p in model.parameters()], [next(c.parameters()).grad for c in copies]
+
+    for (last, now, grads), rank in zip(run_threaded(body, 2, timeout=60), range(2)):
+        assert all(g is not None for g in grads), f"rank {rank}: a copy did not train"
+        assert not any(torch.equal(a, b) for a, b in zip(last[0], now)), "a step missed"
 
 
 # ------------------------------------------------------------------------------- errors

@@ -70,7 +70,7 @@ from .construction import (
 from .delayed import DelayedAllReduce
 from .guards import check_parameters_in_sync
 from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_from_active_rank
-from .module_guards import UnsynchronisedGradients, check_outputs_hold_tensors
+from .module_guards import LocalRef, UnsynchronisedGradients, check_outputs_hold_tensors
 from .overlap import (
     DEFAULT_OVERLAP_BUCKET_MB,
     OverlappedOptimizer,
@@ -340,7 +340,7 @@ class DistributedDataParallel(_Base):
         parameter's link back to this wrapper, the guards on the module."""
         self.reducer = self._build_reducer() if self._named_params else None
         for _, param in self._named_params:  # how a sharded optimizer finds its wrapper
-            param._gradsync_wrapper = WrapperRef(self)  # type: ignore[attr-defined]
+            param._gradsync_wrapper = LocalRef(self)  # type: ignore[attr-defined]
         self._install_guards()
 
     def _build_reducer(self) -> TorchNamedReducer:
@@ -678,16 +678,12 @@ class ForwardWatcher:
     """Forward pre-hook on the wrapped module: tells the reducer (held weakly) that a forward
     started. Pickles (with the module) to a no-op; the unpickled wrapper adds its own."""
 
-    def __init__(self, reducer: Reducer | None) -> None:
-        self.reducer = weakref.ref(reducer) if reducer is not None else None
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = LocalRef(reducer)
 
     def __call__(self, _module: nn.Module, _inputs: Any) -> None:
-        alive = self.reducer() if self.reducer is not None else None
-        if alive is not None:
+        if (alive := self.reducer()) is not None:
             alive.note_module_forward()
-
-    def __reduce__(self) -> tuple[type, tuple[None]]:
-        return (ForwardWatcher, (None,))
 
 
 class Placement:
@@ -792,22 +788,6 @@ class ActiveForwards:
 
 
 ACTIVE_FORWARDS = ActiveForwards()
-
-
-class WrapperRef:
-    """A parameter's weak reference to the wrapper that synchronises it. Pickled or copied
-    it becomes dead: a copy of a model is not wrapped."""
-
-    __slots__ = ("_ref",)
-
-    def __init__(self, wrapper: DistributedDataParallel | None) -> None:
-        self._ref = weakref.ref(wrapper) if wrapper is not None else None
-
-    def __call__(self) -> DistributedDataParallel | None:
-        return self._ref() if self._ref is not None else None
-
-    def __reduce__(self) -> tuple[Any, tuple[None]]:
-        return (WrapperRef, (None,))
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

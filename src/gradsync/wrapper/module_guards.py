@@ -1,5 +1,6 @@
 """What the wrapper watches on the module it wraps, off the step path (the checks made on every
-forward, `Placement` and `ForwardWatcher`, live beside the forward in `ddp`).
+forward, `Placement` and `ForwardWatcher`, live beside the forward in `ddp`), and the weak
+reference its hooks on that module hold (`LocalRef`).
 
 A forward whose output holds no tensor leaves nothing to search from for unused parameters. A
 parameter frozen when wrapped and unfrozen later trains on each rank apart: said once
@@ -9,6 +10,7 @@ parameter frozen when wrapped and unfrozen later trains on each rank apart: said
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
@@ -17,6 +19,24 @@ from torch import nn
 
 from ..engine.errors import GradSyncError
 from ..engine.reducer import find_tensors
+
+
+class LocalRef:
+    """A weak reference, held by what gradsync hangs on a user's module or parameters (a
+    parameter's wrapper, forward and state-dict hooks): pickled or copied with them
+    (`torch.save(model)`, `copy.deepcopy(model)` for an EMA) it becomes dead, since a copy is
+    not wrapped, and a live one would not pickle."""
+
+    __slots__ = ("_ref",)
+
+    def __init__(self, obj: Any) -> None:
+        self._ref = weakref.ref(obj) if obj is not None else None
+
+    def __call__(self) -> Any:
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self) -> tuple[Any, tuple[None]]:
+        return (LocalRef, (None,))
 
 __all__ = ["UnsynchronisedGradients", "check_outputs_hold_tensors"]
 

@@ -38,7 +38,6 @@ differs, and is refused rather than silently wrong:
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -51,6 +50,7 @@ from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
 from ..engine.reducer import Reducer, arguments_among
 from ..observability.log import detail_enabled
+from .module_guards import LocalRef
 
 __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_OVERLAP_BUCKET_MB", "DEFAULT_TAIL_MB",
            "OverlappedOptimizer", "agree_on_parameters", "agree_on_tail", "held_by",
@@ -113,7 +113,7 @@ class OverlappedOptimizer(Optimizer):
         # it land every bucket first, as the wrapper's do: a checkpoint taken without the
         # wrapper (Lightning's, Accelerate's `unwrap_model(model).state_dict()`, a submodule's)
         # holds the stepped parameters. Landing when nothing is landing costs a comparison.
-        land = functools.partial(_land, weakref.ref(reducer))
+        land = _LandFirst(reducer)
         hooks = [] if module is None else [
             hook for m in module.modules() for hook in (m.register_state_dict_pre_hook(land),
                                                         m.register_load_state_dict_pre_hook(land))]
@@ -552,10 +552,16 @@ def _detach(reducer: Reducer, finished: Any, hooks: list[Any]) -> None:
         handle.remove()
 
 
-def _land(reducer: weakref.ref[Reducer], *_args: Any) -> None:
-    """A state-dict pre-hook of the wrapped module: every bucket still landing lands first."""
-    if (live := reducer()) is not None:
-        live.land()
+class _LandFirst:
+    """A state-dict pre-hook of the wrapped module and of each module in it: every bucket still
+    landing lands first. Pickled with the module (`torch.save(model)`), a no-op."""
+
+    def __init__(self, reducer: Reducer) -> None:
+        self.reducer = LocalRef(reducer)
+
+    def __call__(self, *_args: Any) -> None:
+        if (live := self.reducer()) is not None:
+            live.land()
 
 
 def refuse_another(reducer: Reducer, optimizer: Optimizer) -> None:

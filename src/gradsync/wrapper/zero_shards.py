@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import weakref
 from collections.abc import Sequence
 from datetime import timedelta
 
@@ -35,6 +34,7 @@ from ..engine.bucket_shard import as_real
 from ..engine.collectives import all_reduce, wait
 from ..engine.pool import BufferPool
 from ..engine.reducer import Reducer
+from .module_guards import LocalRef
 
 __all__ = [
     "Gathers",
@@ -249,7 +249,7 @@ def _attach(
     """Forward pre-hooks that finish, before a module runs, the gathers of the buckets holding
     its own parameters; hooks that finish everything after the whole forward and before a
     state dict is taken. They hold the gathers weakly."""
-    me = weakref.ref(gathers)
+    me = LocalRef(gathers)  # pickled with the module (`torch.save(model)`): dead
     index = {id(p): j for j, p in enumerate(reducer.params)}
     handles = []
     for sub in module.modules():
@@ -265,7 +265,7 @@ def _attach(
 
 
 class _Before:
-    def __init__(self, gathers: weakref.ref[Gathers], buckets: list[int]) -> None:
+    def __init__(self, gathers: LocalRef, buckets: list[int]) -> None:
         self.gathers, self.buckets = gathers, buckets
 
     def __call__(self, *_: object) -> None:
@@ -275,7 +275,7 @@ class _Before:
 
 
 class _All:
-    def __init__(self, gathers: weakref.ref[Gathers]) -> None:
+    def __init__(self, gathers: LocalRef) -> None:
         self.gathers = gathers
 
     def __call__(self, *_: object, **__: object) -> None:
