@@ -120,6 +120,23 @@ def test_each_bucket_stepped_as_it_lands_equals_torch_ddp_and_the_same_optimizer
     _check("mlp", optimizer, foreach=foreach, bucket_cap_mb=0.0005)
 
 
+# torch's fused CPU kernels (one pass over each parameter: AdamW about five times faster than
+# the per-tensor loop on one core), stepped per bucket as they land
+FUSED = {
+    "sgd fused": lambda ps, _: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
+                                               fused=True),
+    "adam fused": lambda ps, _: torch.optim.Adam(ps, lr=0.01, fused=True),
+    "adamw fused": lambda ps, _: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    "adagrad fused": lambda ps, _: torch.optim.Adagrad(ps, lr=0.05, fused=True),
+}
+EVERY_OPTIMIZER.update(FUSED)
+
+
+@pytest.mark.parametrize("optimizer", sorted(FUSED))
+def test_fused_optimizers_equal_torch_ddp_and_the_same_optimizer(optimizer):
+    _check("mlp", optimizer, bucket_cap_mb=0.0005)
+
+
 @pytest.mark.parametrize("optimizer", sorted(OTHER_OPTIMIZERS))
 def test_every_other_torch_optimizer_that_steps_per_parameter_equals_torch_ddp(optimizer):
     _check("mlp", optimizer, foreach=None, bucket_cap_mb=0.0005)
@@ -403,6 +420,33 @@ def test_what_needs_every_parameter_lands_every_bucket_first(what):
         return ddp.reducer.phase.value
 
     assert "landing" not in run_threaded(body, 2, timeout=60)
+
+
+def test_a_forward_of_the_module_itself_lands_first_and_its_backward_stays_local():
+    # The wrapped module called directly (an auxiliary loss, a probe) between steps, its
+    # gradients zeroed before the synchronised step: as with torch's DDP, that backward is not
+    # synchronised. Its forward once found the buckets landed but the iteration not closed,
+    # and its gradients raised as late arrivals ("marked ready twice").
+    def body(rank, group, wrapper):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = wrapper(model, process_group=group)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+        if wrapper is GradsyncDDP:
+            opt = ddp.overlap_optimizer(opt)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            model(x).sum().backward()  # the module's own forward: every bucket landed first
+            opt.zero_grad()
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        getattr(opt, "wait", lambda: None)()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ours = run_threaded(body, 2, GradsyncDDP, timeout=60)
+    theirs = run_threaded(body, 2, TorchDDP, timeout=60)
+    for got, want in zip(ours, theirs):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_gradients_cleared_after_step_stay_cleared_once_their_bucket_lands():

@@ -330,10 +330,10 @@ class Reducer:
         """The wrapped module ran forward (through the wrapper or not): gradients from here on
         belong to a new graph, not late arrivals for the last reduced iteration. Not through
         the wrapper, nothing may still be landing under it."""
+        if self.phase is Phase.LANDING and self.on_use is None:
+            self.land()  # and so reduced
         if self.phase is Phase.REDUCED:
             self.phase = Phase.IDLE
-        elif self.phase is Phase.LANDING and self.on_use is None:
-            self.land()
 
     def _clear_reduction(self) -> None:
         """Drop what an iteration left in flight: reports, used map, the buckets' state."""
@@ -401,9 +401,9 @@ class Reducer:
         # never followed by backward then leaves no half-done iteration behind.
         if it.search is not None:  # the search's answer, for good (asked now if backward has
             if not it.answered:  # not reached the outputs' node yet)
-                unused = self._answer_in_backward(it.search, first)
-                assert unused is not None, "a gradient came inside torch.autograd.grad"
-                it.unused = unused
+                answer = self._answer_in_backward(it.search, first)
+                assert answer is not None, "a gradient came inside torch.autograd.grad"
+                it.unused = answer
             it.search = None
         it.unused_pending = False
         for unused in it.unused:
