@@ -464,6 +464,51 @@ def test_gradients_cleared_after_step_stay_cleared_once_their_bucket_lands():
     assert run_threaded(body, 2, timeout=60) == [[True] * 8] * 2
 
 
+def _set_ones(model):
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)  # a gradient of the user's own, accumulated into
+
+
+@pytest.mark.parametrize("between", [
+    ["zero_grad", "assign"], ["assign", "zero_grad"], ["zero_grad keep", "assign"],
+    ["assign", "zero_grad keep"], ["module zero_grad keep", "assign"]])
+@pytest.mark.parametrize("as_view", [False, True])
+def test_gradients_set_between_step_and_the_next_forward_are_kept_as_torch_ddp_keeps_them(
+        between, as_view):
+    # What the user does to .grad after step() is done after the buckets still landing are
+    # stepped, in the order done. A gradient assigned there (`p.grad = ...`) was once written
+    # into by the landing bucket and then cleared by the zero_grad that came before it.
+    def body(rank, group, wrapper):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = wrapper(model, process_group=group, gradient_as_bucket_view=as_view)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if wrapper is GradsyncDDP:
+            opt = ddp.overlap_optimizer(opt)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        act = {"zero_grad": opt.zero_grad, "zero_grad keep": lambda: opt.zero_grad(False),
+               "module zero_grad keep": lambda: model.zero_grad(False),
+               "assign": lambda: _set_ones(model)}
+        for _ in range(3):
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+            for what in between:
+                act[what]()
+        getattr(opt, "wait", lambda: None)()
+        return ([p.detach().clone() for p in model.parameters()],
+                [None if p.grad is None else p.grad.clone() for p in model.parameters()])
+
+    if as_view and "module zero_grad keep" in between:  # into the bucket, still reducing
+        with pytest.raises(RankError, match=r"changed in place after step\(\) while their"):
+            run_threaded(body, 2, GradsyncDDP, timeout=60)
+        return
+    ours = run_threaded(body, 2, GradsyncDDP, timeout=60)
+    theirs = run_threaded(body, 2, TorchDDP, timeout=60)
+    for (params, grads), (want_params, want_grads) in zip(ours, theirs):
+        assert all(torch.equal(a, b) for a, b in zip(params, want_params))
+        assert all((a is None and b is None) or torch.equal(a, b)
+                   for a, b in zip(grads, want_grads))
+
+
 def test_the_tail_is_sent_nearest_the_input_first_in_chunks():
     def body(rank, group):
         model = seeded(_layers, 0)

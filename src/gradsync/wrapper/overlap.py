@@ -96,7 +96,8 @@ class OverlappedOptimizer(Optimizer):
         # or a clipping's refusal then comes before any parameter has moved.
         self._deferred: list[list[list[torch.Tensor]]] = []
         self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
-        self._resets: dict[int, list[tuple[torch.Tensor, bool]]] = {}  # cleared since step()
+        # .grad as the user left it since step(), put back once the bucket is stepped
+        self._resets: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
         self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}  # their parameters'
         # The groups' settings (lr...) when `step()` was called: the buckets landing after it
@@ -143,7 +144,8 @@ class OverlappedOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the optimizer's; the gradients of buckets still landing once they are stepped."""
-        landing = {id(p) for index in self._pending for p, _, _ in self._pending[index]}
+        # gradients still backward's, to be written into and stepped: cleared once stepped
+        landing = {id(p) for held in self._pending.values() for p, g, _ in held if p.grad is g}
         for index in self._pending:
             self._zero_after[index] = set_to_none
         with self._own:
@@ -230,9 +232,16 @@ class OverlappedOptimizer(Optimizer):
             self._check_unchanged(held)
             return
         changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
-        if self._as_view and any(p.grad is g for p, g in changed):
-            raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(changed)))
-        self._resets[bucket.index] = [(p, p.grad is None) for p, _ in changed]
+        if self._as_view and (written := [(p, g) for p, g, v in held if _version(g) != v]):
+            raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(written)))
+        # Cleared (None), or a tensor of the user's: the averages go into backward's tensor
+        # and are stepped, then .grad is put back. Backward's tensor changed in place (zeroed,
+        # `model.zero_grad(set_to_none=False)`): zeroed again once stepped (`_ZEROED`).
+        resets = []
+        for p, g in changed:
+            resets.append((p, _ZEROED if p.grad is g else p.grad))
+            p.grad = g
+        self._resets[bucket.index] = resets
 
     def _written(self, bucket: Bucket) -> None:
         """Step the parameters of `bucket` this optimizer holds (its averages just written
@@ -246,13 +255,19 @@ class OverlappedOptimizer(Optimizer):
             self._deferred.append(subsets)
         else:
             self._with_groups(subsets, self.optimizer.step, self._settings if after_step else None)
-        zero = self._zero_after.pop(bucket.index, None)
-        clear = [] if zero is None else [(p, zero) for group in subsets for p in group]
-        for param, to_none in self._resets.pop(bucket.index, []) + clear:
-            if to_none:
-                param.grad = None
-            elif param.grad is not None:
-                param.grad.zero_()
+        resets = self._resets.pop(bucket.index, [])
+        for param, grad in resets:
+            if grad is _ZEROED:
+                param.grad.zero_()  # type: ignore[union-attr]
+            else:
+                param.grad = grad
+        if (to_none := self._zero_after.pop(bucket.index, None)) is not None:
+            put_back = {id(p) for p, grad in resets if grad is not _ZEROED}  # since zero_grad
+            for param in [p for group in subsets for p in group if id(p) not in put_back]:
+                if to_none:
+                    param.grad = None
+                elif param.grad is not None:
+                    param.grad.zero_()
         if not after_step:  # before `step()`: it checks that none changed since
             self._stepped += [(p, p.grad, _version(p.grad))
                               for group in subsets for p in group if p.grad is not None]
@@ -502,6 +517,9 @@ def _push_at_bottom(mode: TorchFunctionMode) -> None:
 def _on_stack(mode: TorchFunctionMode) -> bool:
     return any(torch._C._get_function_stack_at(i) is mode
                for i in range(torch._C._len_torch_function_stack()))
+
+
+_ZEROED = torch.empty(0)  # a gradient zeroed in place since step() (`_landing`): zeroed again
 
 
 def _version(grad: torch.Tensor | None) -> int:
