@@ -232,8 +232,8 @@ class OverlappedOptimizer(Optimizer):
             self._check_unchanged(held)
             return
         changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
-        if self._as_view and (written := [(p, g) for p, g, v in held if _version(g) != v]):
-            raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(written)))
+        if self._as_view and (into := [(p, g) for p, g, v in held if _version(g) != v]):
+            raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(into)))
         # Cleared (None), or a tensor of the user's: the averages go into backward's tensor
         # and are stepped, then .grad is put back. Backward's tensor changed in place (zeroed,
         # `model.zero_grad(set_to_none=False)`): zeroed again once stepped (`_ZEROED`).
