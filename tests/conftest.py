@@ -33,9 +33,20 @@ import pytest  # noqa: E402
 @pytest.fixture(autouse=True)
 def _free_wrappers_promptly():
     """Collect each test's garbage (torch's DDP sits in reference cycles) while the test's
-    process groups are still whole: a gloo group torn down at interpreter exit can abort it."""
-    yield
-    gc.collect()
+    process groups are still whole: a gloo group torn down at interpreter exit can abort it.
+
+    A reducer dropped with collectives in flight waits for them (`reductions.quiesce`), up to
+    10 s. The held groups' all-reduces (tests/held.py) complete only when waited for, which a
+    dropped reducer never does, so each such reducer collected would wait the whole bound (it
+    once added 20-30 s to a test): here the bound is 1 s, their gloo work being long done."""
+    from gradsync.engine import reductions
+
+    bound, reductions.QUIESCE_S = reductions.QUIESCE_S, 1.0
+    try:
+        yield
+        gc.collect()
+    finally:
+        reductions.QUIESCE_S = bound
 
 
 TIERS = ("pure", "threaded", "processes")

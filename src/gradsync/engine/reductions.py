@@ -637,10 +637,11 @@ def _record_completion(events: list, clock: Callable[[], int], bucket_index: int
 QUIESCE_S = 10.0
 
 
-def quiesce(flights: list[Flight], seconds: float = QUIESCE_S) -> None:
-    """Wait, at most `seconds` in all, for the collectives of `flights` in flight to complete,
-    landing and starting nothing (`reducer._quiesce_at_exit`)."""
-    deadline = time.monotonic() + seconds
+def quiesce(flights: list[Flight], seconds: float | None = None) -> None:
+    """Wait, at most `seconds` in all (default `QUIESCE_S`, read when called), for the
+    collectives of `flights` in flight to complete, landing and starting nothing
+    (`reducer._quiesce_at_exit`)."""
+    deadline = time.monotonic() + (QUIESCE_S if seconds is None else seconds)
     for flight in flights:
         if flight.work is not None:
             _completes_within(flight.work, max(0.0, deadline - time.monotonic()))

@@ -86,6 +86,10 @@ class OverlappedOptimizer(Optimizer):
         self._as_view = reducer.config.gradient_as_bucket_view
         self._in_buckets = {id(p): n for p, n in zip(reducer.params, reducer.names)}
         self._rest = self._outside_buckets()
+        self._bucketed = [p for g in optimizer.param_groups for p in g["params"]
+                          if id(p) in self._in_buckets]
+        # their versions when `step()` returned, until checked (`_check_untouched`)
+        self._untouched: list[tuple[torch.Tensor, int]] | None = None
         self._subsets: weakref.WeakKeyDictionary[Bucket, list[list[torch.Tensor]]] = (
             weakref.WeakKeyDictionary())
         self._iteration: int | None = None  # the reducer's iteration stepped last
@@ -109,6 +113,7 @@ class OverlappedOptimizer(Optimizer):
         reducer.step_each_bucket(stepper, lazily=True)
         # Where the guard may come off the mode stack: every bucket landed, a forward's end.
         reducer.on_use_ended = stepper.release_guard
+        reducer.before_landing = stepper.before_landing
         finished = reducer.register_finish_hook(stepper.release_guard)
         # The state_dict() and load_state_dict() of the wrapped `module` and of each module in
         # it land every bucket first, as the wrapper's do: a checkpoint taken without the
@@ -159,6 +164,8 @@ class OverlappedOptimizer(Optimizer):
         self.optimizer.add_param_group(param_group)
         self._deferred = [subsets + [[]] for subsets in self._deferred]  # none in the new group
         self._rest = self._outside_buckets()
+        self._bucketed = [p for g in self.optimizer.param_groups for p in g["params"]
+                          if id(p) in self._in_buckets]
         self._subsets.clear()
         if (reducer := self._reducer()) is not None:
             agree_on_parameters(reducer.process_group, reducer.names,
@@ -198,7 +205,22 @@ class OverlappedOptimizer(Optimizer):
         reducer = self._reducer()
         self._acknowledged, self._stepped = (reducer.iteration if reducer else None), []
         self._steps.add(self._acknowledged)  # type: ignore[arg-type]
+        with torch._C.DisableTorchFunction():  # `_version` of a parameter is a torch function
+            self._untouched = [(p, p._version) for p in self._bucketed]
         self._guard_reads()
+
+    def _check_untouched(self) -> None:
+        """Where buckets still landing would land first, on every rank alike: no parameter of
+        a bucket may have been written since `step()`. Checked against every bucket, landed on
+        this rank or not, so that all ranks raise here together, wherever their buckets are;
+        else a rank whose buckets had all landed would go on to the next collective alone."""
+        if self._untouched is None:
+            return
+        with torch._C.DisableTorchFunction():
+            written = [(p, None) for p, version in self._untouched if p._version != version]
+        self._untouched = None
+        if written:
+            raise RuntimeError(_PARAMETER_CHANGED.format(names=self._named(written)))
 
     def wait(self) -> None:
         """Land and step every bucket still landing: call before reading parameters or
@@ -557,6 +579,10 @@ class _Stepper:
         optimizer = self._optimizer()
         return optimizer is None or optimizer._steps_whole(bucket)
 
+    def before_landing(self) -> None:
+        if (optimizer := self._optimizer()) is not None:
+            optimizer._check_untouched()
+
     def release_guard(self) -> None:
         """Every bucket landed, or a forward's `LandOnUse` exited: the read guard may go."""
         if (optimizer := self._optimizer()) is not None and optimizer._guard is not None:
@@ -566,6 +592,7 @@ class _Stepper:
 def _detach(reducer: Reducer, finished: Any, hooks: list[Any]) -> None:
     reducer.step_each_bucket(None)
     reducer.on_use_ended = None
+    reducer.before_landing = None
     for handle in [finished, *hooks]:
         handle.remove()
 
@@ -677,11 +704,11 @@ _CHANGED = (
     "after opt.wait()."
 )
 _PARAMETER_CHANGED = (
-    "OverlappedOptimizer: the parameters {names} were changed in place after backward while "
-    "their bucket was still landing, to be stepped from the values they had: the change and "
-    "the step would mix. Call opt.wait() before writing to parameters between step() and the "
-    "next forward (an EMA may read them after it; a checkpoint load through the wrapper waits "
-    "by itself)."
+    "OverlappedOptimizer: the parameters {names} were written in place after backward while "
+    "buckets may still be landing, each stepped as it lands from the values it had: the write "
+    "and the step would mix. Call opt.wait() before writing to parameters between step() and "
+    "the next forward (weight clipping, a projection; an EMA reads them after it too; a "
+    "checkpoint load through the wrapper waits by itself)."
 )
 _CHANGED_IN_FLIGHT = (
     "OverlappedOptimizer: the gradients of {names} were changed in place after step() while "
