@@ -85,10 +85,8 @@ class OverlappedOptimizer(Optimizer):
         self._reducer = weakref.ref(reducer)
         self._as_view = reducer.config.gradient_as_bucket_view
         self._in_buckets = {id(p): n for p, n in zip(reducer.params, reducer.names)}
-        self._rest = self._outside_buckets()
-        self._bucketed = [p for g in optimizer.param_groups for p in g["params"]
-                          if id(p) in self._in_buckets]
-        # their versions when `step()` returned, until checked (`_check_untouched`)
+        self._regroup()
+        # the versions of `_bucketed` when `step()` returned, until checked (`_check_untouched`)
         self._untouched: list[tuple[torch.Tensor, int]] | None = None
         self._subsets: weakref.WeakKeyDictionary[Bucket, list[list[torch.Tensor]]] = (
             weakref.WeakKeyDictionary())
@@ -163,9 +161,7 @@ class OverlappedOptimizer(Optimizer):
         self.wait()
         self.optimizer.add_param_group(param_group)
         self._deferred = [subsets + [[]] for subsets in self._deferred]  # none in the new group
-        self._rest = self._outside_buckets()
-        self._bucketed = [p for g in self.optimizer.param_groups for p in g["params"]
-                          if id(p) in self._in_buckets]
+        self._regroup()
         self._subsets.clear()
         if (reducer := self._reducer()) is not None:
             agree_on_parameters(reducer.process_group, reducer.names,
@@ -353,9 +349,12 @@ class OverlappedOptimizer(Optimizer):
         names = [self._in_buckets[id(p)] for p, _ in changed]
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
-    def _outside_buckets(self) -> list[list[torch.Tensor]]:
-        return [[p for p in g["params"] if id(p) not in self._in_buckets]
-                for g in self.optimizer.param_groups]
+    def _regroup(self) -> None:
+        """The optimizer's parameters by group outside the buckets (stepped by `step()`
+        itself), and those in them."""
+        groups = self.optimizer.param_groups
+        self._rest = [[p for p in g["params"] if id(p) not in self._in_buckets] for g in groups]
+        self._bucketed = [p for g in groups for p in g["params"] if id(p) in self._in_buckets]
 
     # ------------------------------------------------------------------ the read guard
 
