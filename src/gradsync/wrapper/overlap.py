@@ -107,6 +107,11 @@ class OverlappedOptimizer(Optimizer):
         self._settings: list[dict[str, Any]] = []
         self._own = _Own()  # gradsync's own calls in progress: the read guard lets them be
         self._guard: _ReadGuard | None = None  # GRADSYNC_DEBUG=DETAIL only (`_guard_reads`)
+        self._attach(reducer, module)
+
+    def _attach(self, reducer: Reducer, module: torch.nn.Module | None) -> None:
+        """Told by `reducer` of each bucket landing, and where buckets could land; `module`'s
+        state dicts land them all first. Detached when this optimizer goes."""
         stepper = _Stepper(self)
         reducer.step_each_bucket(stepper, lazily=True)
         # Where the guard may come off the mode stack: every bucket landed, a forward's end.
