@@ -23,31 +23,34 @@ from gradsync.testing import RankError, run_threaded, seeded
 STEPS = 4
 
 OPTIMIZERS = {
-    "sgd": lambda ps, foreach: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
-                                               foreach=foreach),
-    "adam": lambda ps, foreach: torch.optim.Adam(ps, lr=0.01, foreach=foreach),
-    "adamw": lambda ps, foreach: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=foreach),
-    "rmsprop": lambda ps, foreach: torch.optim.RMSprop(ps, lr=0.01, foreach=foreach),
-    "adagrad": lambda ps, foreach: torch.optim.Adagrad(ps, lr=0.05, foreach=foreach),
+    "sgd": lambda ps, **impl: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
+                                               **impl),
+    "adam": lambda ps, **impl: torch.optim.Adam(ps, lr=0.01, **impl),
+    "adamw": lambda ps, **impl: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, **impl),
+    "rmsprop": lambda ps, **impl: torch.optim.RMSprop(ps, lr=0.01, **impl),
+    "adagrad": lambda ps, **impl: torch.optim.Adagrad(ps, lr=0.05, **impl),
 }
 # The rest of torch's optimizers that step each parameter from its own gradient and state,
-# and the variants of the ones above (fused: one kernel over a group, on the CPU too).
+# and variants of the ones above (fused: `test_fused_optimizers_...`).
 OTHER_OPTIMIZERS = {
-    "adadelta": lambda ps, foreach: torch.optim.Adadelta(ps, lr=0.5, foreach=foreach),
-    "adafactor": lambda ps, foreach: torch.optim.Adafactor(ps, lr=0.01, foreach=foreach),
-    "adamax": lambda ps, foreach: torch.optim.Adamax(ps, lr=0.01, foreach=foreach),
-    "asgd": lambda ps, foreach: torch.optim.ASGD(ps, lr=0.01, foreach=foreach),
-    "nadam": lambda ps, foreach: torch.optim.NAdam(ps, lr=0.01, foreach=foreach),
-    "radam": lambda ps, foreach: torch.optim.RAdam(ps, lr=0.01, foreach=foreach),
-    "rprop": lambda ps, foreach: torch.optim.Rprop(ps, lr=0.01, foreach=foreach),
-    "adam amsgrad": lambda ps, foreach: torch.optim.Adam(ps, lr=0.01, amsgrad=True,
-                                                         foreach=foreach),
-    "sgd nesterov": lambda ps, foreach: torch.optim.SGD(ps, lr=0.05, momentum=0.9,
-                                                        nesterov=True, foreach=foreach),
-    "adamw fused": lambda ps, _: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
-    "sgd fused": lambda ps, _: torch.optim.SGD(ps, lr=0.05, momentum=0.9, fused=True),
+    "adadelta": lambda ps, **impl: torch.optim.Adadelta(ps, lr=0.5, **impl),
+    "adafactor": lambda ps, **impl: torch.optim.Adafactor(ps, lr=0.01, **impl),
+    "adamax": lambda ps, **impl: torch.optim.Adamax(ps, lr=0.01, **impl),
+    "asgd": lambda ps, **impl: torch.optim.ASGD(ps, lr=0.01, **impl),
+    "nadam": lambda ps, **impl: torch.optim.NAdam(ps, lr=0.01, **impl),
+    "radam": lambda ps, **impl: torch.optim.RAdam(ps, lr=0.01, **impl),
+    "rprop": lambda ps, **impl: torch.optim.Rprop(ps, lr=0.01, **impl),
+    "adam amsgrad": lambda ps, **impl: torch.optim.Adam(ps, lr=0.01, amsgrad=True,
+                                                         **impl),
+    "sgd nesterov": lambda ps, **impl: torch.optim.SGD(ps, lr=0.05, momentum=0.9,
+                                                        nesterov=True, **impl),
 }
 EVERY_OPTIMIZER = {**OPTIMIZERS, **OTHER_OPTIMIZERS}
+
+
+def _impl(foreach):
+    """The implementation keyword: foreach on, off or torch's choice (None), or "fused"."""
+    return {"fused": True} if foreach == "fused" else {"foreach": foreach}
 
 
 def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, micro_steps=1,
@@ -56,7 +59,7 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
     """Train; return the parameters and the optimizer's state dict."""
     model = seeded(MODELS[model_name], 0)
     ddp = wrapper(model, process_group=group, **kwargs)
-    opt = EVERY_OPTIMIZER[optimizer](model.parameters(), foreach)
+    opt = EVERY_OPTIMIZER[optimizer](model.parameters(), **_impl(foreach))
     if wrapper is GradsyncDDP:
         opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb,
                                         credit_mb=credit_mb)
@@ -66,7 +69,7 @@ def _train(wrapper, rank, group, model_name, batches, optimizer, foreach=None, m
             saved = io.BytesIO()
             torch.save(opt.state_dict(), saved)
             del opt  # the wrapper's buckets are stepped by one optimizer at a time
-            opt = EVERY_OPTIMIZER[optimizer](model.parameters(), foreach)
+            opt = EVERY_OPTIMIZER[optimizer](model.parameters(), **_impl(foreach))
             if wrapper is GradsyncDDP:
                 opt = ddp.overlap_optimizer(opt, tail_mb=tail_mb, chunk_mb=chunk_mb,
                                         credit_mb=credit_mb)
@@ -120,21 +123,11 @@ def test_each_bucket_stepped_as_it_lands_equals_torch_ddp_and_the_same_optimizer
     _check("mlp", optimizer, foreach=foreach, bucket_cap_mb=0.0005)
 
 
-# torch's fused CPU kernels (one pass over each parameter: AdamW about five times faster than
-# the per-tensor loop on one core), stepped per bucket as they land
-FUSED = {
-    "sgd fused": lambda ps, _: torch.optim.SGD(ps, lr=0.05, momentum=0.9, weight_decay=0.01,
-                                               fused=True),
-    "adam fused": lambda ps, _: torch.optim.Adam(ps, lr=0.01, fused=True),
-    "adamw fused": lambda ps, _: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
-    "adagrad fused": lambda ps, _: torch.optim.Adagrad(ps, lr=0.05, fused=True),
-}
-EVERY_OPTIMIZER.update(FUSED)
-
-
-@pytest.mark.parametrize("optimizer", sorted(FUSED))
+# torch's fused kernels (one kernel over a group, on the CPU too: AdamW about five times
+# faster than the per-tensor loop on one core), for the four of the above that have them
+@pytest.mark.parametrize("optimizer", ["adagrad", "adam", "adamw", "sgd"])
 def test_fused_optimizers_equal_torch_ddp_and_the_same_optimizer(optimizer):
-    _check("mlp", optimizer, bucket_cap_mb=0.0005)
+    _check("mlp", optimizer, foreach="fused", bucket_cap_mb=0.0005)
 
 
 @pytest.mark.parametrize("optimizer", sorted(OTHER_OPTIMIZERS))
@@ -211,6 +204,25 @@ def _overlapped_mlp(group):
     model = seeded(MODELS["mlp"], 0)
     ddp = GradsyncDDP(model, process_group=group)
     return model, ddp, ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+def _mlp_side(wrapper, group, optimizer, **kwargs):
+    """The mlp wrapped by `wrapper`, and `optimizer` over it: overlapped under gradsync's,
+    stepped after backward under torch's DDP (the side to compare with)."""
+    model = seeded(MODELS["mlp"], 0)
+    ddp = wrapper(model, process_group=group, **kwargs)
+    opt = optimizer(model.parameters())
+    return model, ddp, ddp.overlap_optimizer(opt) if wrapper is GradsyncDDP else opt
+
+
+def _adamw(params):
+    return torch.optim.AdamW(params, lr=0.01)
+
+
+def _side_by_side(body):
+    """(gradsync's, torch's) results of `body(rank, group, wrapper)`, rank by rank."""
+    return zip(run_threaded(body, 2, GradsyncDDP, timeout=60),
+               run_threaded(body, 2, TorchDDP, timeout=60))
 
 
 def _refused(body, match):
@@ -291,12 +303,8 @@ def test_optimizers_that_cannot_step_per_bucket_are_refused(make, match):
 def test_a_closure_is_called_once_before_the_step_as_lightning_passes_one():
     # Lightning's automatic optimization: opt.step(closure), the closure running zero_grad,
     # forward and backward. Called once, as AdamW calls it; the same parameters and losses.
-    def train(wrapper, rank, group):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = wrapper(model, process_group=group)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        if wrapper is GradsyncDDP:
-            opt = ddp.overlap_optimizer(opt)
+    def train(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, group, _adamw)
         g, losses, calls = torch.Generator().manual_seed(rank), [], []
 
         def closure():
@@ -314,9 +322,7 @@ def test_a_closure_is_called_once_before_the_step_as_lightning_passes_one():
         assert len(calls) == 4
         return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    for ours, theirs in run_threaded(lambda rank, group: (train(GradsyncDDP, rank, group),
-                                                          train(TorchDDP, rank, group)),
-                                     2, timeout=60):
+    for ours, theirs in _side_by_side(train):
         assert ours[0] == theirs[0]
         for name, p in theirs[1].items():
             assert torch.equal(ours[1][name], p), name
@@ -428,11 +434,7 @@ def test_a_forward_of_the_module_itself_lands_first_and_its_backward_stays_local
     # synchronised. Its forward once found the buckets landed but the iteration not closed,
     # and its gradients raised as late arrivals ("marked ready twice").
     def body(rank, group, wrapper):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = wrapper(model, process_group=group)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-        if wrapper is GradsyncDDP:
-            opt = ddp.overlap_optimizer(opt)
+        model, ddp, opt = _mlp_side(wrapper, group, _adamw)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
         for _ in range(3):
             model(x).sum().backward()  # the module's own forward: every bucket landed first
@@ -443,9 +445,7 @@ def test_a_forward_of_the_module_itself_lands_first_and_its_backward_stays_local
         getattr(opt, "wait", lambda: None)()
         return [p.detach().clone() for p in model.parameters()]
 
-    ours = run_threaded(body, 2, GradsyncDDP, timeout=60)
-    theirs = run_threaded(body, 2, TorchDDP, timeout=60)
-    for got, want in zip(ours, theirs):
+    for got, want in _side_by_side(body):
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
@@ -479,11 +479,9 @@ def test_gradients_set_between_step_and_the_next_forward_are_kept_as_torch_ddp_k
     # stepped, in the order done. A gradient assigned there (`p.grad = ...`) was once written
     # into by the landing bucket and then cleared by the zero_grad that came before it.
     def body(rank, group, wrapper):
-        model = seeded(MODELS["mlp"], 0)
-        ddp = wrapper(model, process_group=group, gradient_as_bucket_view=as_view)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        if wrapper is GradsyncDDP:
-            opt = ddp.overlap_optimizer(opt)
+        model, ddp, opt = _mlp_side(
+            wrapper, group, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+            gradient_as_bucket_view=as_view)
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
         act = {"zero_grad": opt.zero_grad, "zero_grad keep": lambda: opt.zero_grad(False),
                "module zero_grad keep": lambda: model.zero_grad(False),
@@ -501,9 +499,7 @@ def test_gradients_set_between_step_and_the_next_forward_are_kept_as_torch_ddp_k
         with pytest.raises(RankError, match=r"changed in place after step\(\) while their"):
             run_threaded(body, 2, GradsyncDDP, timeout=60)
         return
-    ours = run_threaded(body, 2, GradsyncDDP, timeout=60)
-    theirs = run_threaded(body, 2, TorchDDP, timeout=60)
-    for (params, grads), (want_params, want_grads) in zip(ours, theirs):
+    for (params, grads), (want_params, want_grads) in _side_by_side(body):
         assert all(torch.equal(a, b) for a, b in zip(params, want_params))
         assert all((a is None and b is None) or torch.equal(a, b)
                    for a, b in zip(grads, want_grads))
@@ -831,7 +827,7 @@ def _planned_tail(rank, group):
     auto.rounds, auto.per_slot, auto.confirm_rounds = 2, 1, 2
     auto.saturated, auto.cost = False, CostModel(0.0, 1e-9)  # overlap allowed; not probed
     total = sum(p.numel() * p.element_size() for p in model.parameters())
-    opt = ddp.overlap_optimizer(OPTIMIZERS["adamw"](model.parameters(), None),
+    opt = ddp.overlap_optimizer(OPTIMIZERS["adamw"](model.parameters()),
                                 tail_mb=total / 2 / 2**20, chunk_mb=total / 8 / 2**20)
     tails = []
     for batch in make_batches(PLANNED_STEPS, 2, per_rank=4):
