@@ -678,12 +678,17 @@ class ForwardWatcher:
     """Forward pre-hook on the wrapped module: tells the reducer (held weakly) that a forward
     started. Pickles (with the module) to a no-op; the unpickled wrapper adds its own."""
 
-    def __init__(self, reducer: Reducer) -> None:
-        self.reducer = LocalRef(reducer)
+    def __init__(self, reducer: Reducer | None) -> None:
+        # not a LocalRef: a call into another file on every forward (tests/threaded/test_locality)
+        self.reducer = weakref.ref(reducer) if reducer is not None else None
 
     def __call__(self, _module: nn.Module, _inputs: Any) -> None:
-        if (alive := self.reducer()) is not None:
+        alive = self.reducer() if self.reducer is not None else None
+        if alive is not None:
             alive.note_module_forward()
+
+    def __reduce__(self) -> tuple[type, tuple[None]]:
+        return (ForwardWatcher, (None,))
 
 
 class Placement:
