@@ -241,6 +241,38 @@ def test_a_second_synchronised_backward_without_step_is_refused_naming_no_sync()
     _refused(body, r"second synchronised backward came without step\(\).*no_sync\(\)")
 
 
+@pytest.mark.parametrize("first", [True, False])
+def test_zero_grad_between_backward_and_step_is_refused_as_too_late_to_drop_them(first):
+    # torch's optimizer would then step nothing (a skipped step); here buckets are stepped
+    # from the end of backward on, so it would have stepped them anyway, silently.
+    def body(rank, group):
+        model, ddp, opt = _overlapped_mlp(group)
+        if not first:  # a whole iteration first
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.zero_grad()
+
+    _refused(body, r"zero_grad\(\) came between a synchronised backward and its step\(\)")
+
+
+def test_a_second_step_after_one_backward_steps_the_same_gradients_again_as_torch():
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, group, _adamw)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            ddp(x).pow(2).sum().backward()
+            opt.step()
+            opt.step()  # every parameter again, from the same gradients
+            opt.zero_grad()
+        getattr(opt, "wait", lambda: None)()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for got, want in _side_by_side(body):
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
 def test_clipping_after_backward_is_refused_at_step():
     def body(rank, group):
         model, ddp, opt = _overlapped_mlp(group)

@@ -151,7 +151,11 @@ class OverlappedOptimizer(Optimizer):
         self.optimizer.load_state_dict(state_dict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As the optimizer's; the gradients of buckets still landing once they are stepped."""
+        """As the optimizer's; the gradients of buckets still landing once they are stepped.
+        Refused between a synchronised backward and its `step()`: its buckets are stepped
+        already, or will be, so its gradients can no longer be dropped."""
+        if self._iteration is not None and self._iteration not in self._steps:
+            raise RuntimeError(_ZEROED_BEFORE_STEP)
         # gradients still backward's, to be written into and stepped: cleared once stepped
         landing = {id(p) for held in self._pending.values() for p, g, _ in held if p.grad is g}
         for index in self._pending:
@@ -195,6 +199,13 @@ class OverlappedOptimizer(Optimizer):
         if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) \
                 is not None:
             raise RuntimeError(_GRAD_SCALER)
+        if self._iteration is not None and self._iteration == self._acknowledged:
+            # A second step() after one backward: torch's optimizer steps the same gradients
+            # again, every parameter, so every bucket lands first and then the whole of it.
+            self.wait()
+            with self._own:
+                self.optimizer.step()
+            return
         self._check_unchanged(self._stepped + [h for held in self._pending.values() for h in held])
         for subsets in self._deferred:
             self._with_groups(subsets, self.optimizer.step)
@@ -719,6 +730,13 @@ _CHANGED_IN_FLIGHT = (
     "their bucket was still reducing into them (gradient_as_bucket_view: .grad is the bucket): "
     "the reduction would be corrupted. Clear them with opt.zero_grad() (which waits for the "
     "bucket), or model.zero_grad(set_to_none=True)."
+)
+_ZEROED_BEFORE_STEP = (
+    "OverlappedOptimizer: zero_grad() came between a synchronised backward and its step(): with "
+    "overlap_optimizer each bucket is stepped as it lands, from the end of backward on, so that "
+    "backward's gradients can no longer be dropped (some parameters have moved already). Call "
+    "zero_grad() after step() or before the forward; to skip a step (a loss that is not "
+    "finite), decide before backward, or step the plain optimizer."
 )
 _ACCUMULATED = (
     "OverlappedOptimizer: a second synchronised backward came without step() since the last: "
