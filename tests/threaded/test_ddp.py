@@ -390,6 +390,58 @@ def test_static_graph_with_unused_parameter_and_find_unused_matches_torch():
     _check("unused_branch", 2, static_graph=True)
 
 
+def _penalised(module, x):
+    x = x.clone().requires_grad_()
+    out = module(x)
+    (dx,) = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.sum() + dx.pow(2).sum()
+
+
+def _grads_first(module, x):
+    out = module(x).sum()
+    torch.autograd.grad(out, list(module.parameters()))  # a probe: accumulates nothing
+    return module(x).sum()
+
+
+@pytest.mark.parametrize("loss", ["penalty", "grads first", "module first"])
+def test_static_graph_with_a_graph_run_before_backward_trains_as_one_process(loss):
+    # A torch.autograd.grad before backward, or a backward of the module called directly
+    # (zeroed before the synchronised one): the static graph's first iteration must not take
+    # them for its own. torch 2.13's DDP does here, and its ranks' parameters drift apart.
+    def run(module, x):
+        if loss == "penalty":
+            return _penalised(module, x)
+        if loss == "grads first":
+            return _grads_first(module, x)
+        return module(x).sum()
+
+    def body(rank, group):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = GradsyncDDP(model, process_group=group, static_graph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+        for _ in range(3):
+            if loss == "module first":
+                model(x).sum().backward()
+                opt.zero_grad()
+            run(ddp, x).backward()
+            opt.step()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()]
+
+    ranks = run_threaded(body, 2, timeout=60)
+    model = seeded(MODELS["mlp"], 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    for _ in range(3):
+        sum(run(model, x) for x in xs).div(2).backward()
+        opt.step()
+        opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(*ranks))
+    for got, want in zip(ranks[0], model.parameters()):
+        torch.testing.assert_close(got, want.detach())
+
+
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sparse_gradients_match_torch(world_size):
     _check("sparse_embedding", world_size)
