@@ -20,6 +20,8 @@ from torch import nn
 from ..engine.errors import GradSyncError
 from ..engine.reducer import find_tensors
 
+__all__ = ["LocalRef", "UnsynchronisedGradients", "check_outputs_hold_tensors"]
+
 
 class LocalRef:
     """A weak reference, held by what gradsync hangs on a user's module or parameters (a
@@ -37,8 +39,6 @@ class LocalRef:
 
     def __reduce__(self) -> tuple[Any, tuple[None]]:
         return (LocalRef, (None,))
-
-__all__ = ["UnsynchronisedGradients", "check_outputs_hold_tensors"]
 
 
 class UnsynchronisedGradients:
