@@ -86,6 +86,7 @@ def _features(case: Case) -> list[str]:
     tail = "" if case.tail is None else " (tail, chunk, credit MiB: {:g}, {:g}, {:g})".format(
         *case.tail)
     out += ["overlap_optimizer" + tail] if case.overlap else []
+    out += ["every micro-step synchronised"] if case.sync_every else []
     return out
 
 

@@ -81,6 +81,10 @@ class Case:
     # ... with this (tail_mb, chunk_mb, credit_mb): the tail sent nearest the input first in
     # chunks, some held back by a credit; None: the defaults (the whole tiny model one chunk)
     tail: tuple[float, float, float] | None = None
+    # Every micro-step's backward synchronises (neither no_sync nor the flag): the averages
+    # accumulate in .grad, stepped once (with overlap_optimizer too). Not sharded, whose step
+    # is the last synchronised backward's.
+    sync_every: bool = False
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -155,6 +159,8 @@ class Case:
         # last, so the blocks' indices that the fields above name stay theirs.
         if hook in ("none", "torch_allreduce") and rng.random() < 0.25:
             case = dataclasses.replace(case, blocks=case.blocks + (Block("complex"),))
+        if case.micro_steps > 1 and not case.zero and rng.random() < 0.3:  # last of all
+            case = dataclasses.replace(case, sync_every=True)
         return case
 
     def torch_kwargs(self) -> dict[str, Any]:
@@ -369,7 +375,9 @@ def train(
         micro = batch.chunk(ws)[rank].chunk(case.micro_steps)
         for j, x in enumerate(micro):
             last = j == len(micro) - 1
-            if case.accumulate_with == "no_sync":
+            if case.sync_every:
+                ctx = contextlib.nullcontext()
+            elif case.accumulate_with == "no_sync":
                 ctx = contextlib.nullcontext() if last else ddp.no_sync()
             else:
                 ddp.require_backward_grad_sync = last

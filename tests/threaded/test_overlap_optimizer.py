@@ -230,31 +230,89 @@ def _refused(body, match):
         run_threaded(body, 2, timeout=60)
 
 
-def test_a_second_synchronised_backward_without_step_is_refused_naming_no_sync():
-    def body(rank, group):
-        model, ddp, opt = _overlapped_mlp(group)
-        for _ in range(2):
-            ddp(torch.randn(4, 8)).sum().backward()
-        opt.step()
-        opt.wait()  # the second backward's buckets, if still landing
-
-    _refused(body, r"second synchronised backward came without step\(\).*no_sync\(\)")
+def _params(model, opt):
+    """`model`'s parameters once every bucket has landed (gradsync's) or as they are (torch's)."""
+    getattr(opt, "wait", lambda: None)()
+    return [p.detach().clone() for p in model.parameters()]
 
 
-@pytest.mark.parametrize("first", [True, False])
-def test_zero_grad_between_backward_and_step_is_refused_as_too_late_to_drop_them(first):
-    # torch's optimizer would then step nothing (a skipped step); here buckets are stepped
-    # from the end of backward on, so it would have stepped them anyway, silently.
-    def body(rank, group):
-        model, ddp, opt = _overlapped_mlp(group)
-        if not first:  # a whole iteration first
-            ddp(torch.randn(4, 8)).sum().backward()
+def _late(group, wrapper):
+    """gradsync's buckets all landing late (`_Held`); torch's DDP on the group itself."""
+    return _Held(group) if wrapper is GradsyncDDP else group
+
+
+def _assert_equal_sides(body):
+    for got, want in _side_by_side(body):
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["landing late", "landing as it can"])
+def test_synchronised_backwards_accumulated_before_one_step_equal_torch_ddp(late):
+    # Two synchronised backwards, then one step (a loss over two views, each its own forward;
+    # gradient accumulation without no_sync): .grad holds the sum of the two averages, and
+    # step() steps it once, as torch's DDP and the plain optimizer do.
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper) if late else group, _adamw,
+                                    bucket_cap_mb=1e-7)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            for _ in range(2):
+                ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
             opt.step()
             opt.zero_grad()
-        ddp(torch.randn(4, 8)).sum().backward()
-        opt.zero_grad()
+        return _params(model, opt)
 
-    _refused(body, r"zero_grad\(\) came between a synchronised backward and its step\(\)")
+    _assert_equal_sides(body)
+
+
+def test_a_gan_whose_generator_backward_reduces_the_discriminator_again_equals_torch_ddp():
+    # pytorch/examples' DCGAN loop, both nets wrapped and both optimizers overlapped: D's
+    # backwards on real and on fake data, then one D step; G's backward runs through D, so
+    # D's gradients are reduced once more, never stepped, and cleared by D's zero_grad.
+    def body(rank, group, wrapper):
+        nets = [seeded(lambda: torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+                                                   torch.nn.Linear(8, 8)), 0),
+                seeded(lambda: torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LeakyReLU(0.2),
+                                                   torch.nn.Linear(8, 1)), 1)]
+        gen, dis = (wrapper(net, process_group=group, bucket_cap_mb=1e-7) for net in nets)
+        opt_g, opt_d = (torch.optim.Adam(net.parameters(), lr=0.01, betas=(0.5, 0.999))
+                        for net in nets)
+        if wrapper is GradsyncDDP:
+            opt_g, opt_d = gen.overlap_optimizer(opt_g), dis.overlap_optimizer(opt_d)
+        bce, g = torch.nn.BCEWithLogitsLoss(), torch.Generator().manual_seed(rank)
+        real_label, fake_label = torch.ones(6, 1), torch.zeros(6, 1)
+        for _ in range(3):
+            real, noise = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+            opt_d.zero_grad()
+            bce(dis(real), real_label).backward()
+            fake = gen(noise)
+            bce(dis(fake.detach()), fake_label).backward()
+            opt_d.step()
+            opt_g.zero_grad()
+            bce(dis(fake), real_label).backward()
+            opt_g.step()
+        return _params(nets[0], opt_g) + _params(nets[1], opt_d)
+
+    _assert_equal_sides(body)
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_zero_grad_between_backward_and_step_drops_the_gradients_as_torch_ddp(set_to_none):
+    # A step skipped by clearing its gradients (a loss that was not finite): every bucket
+    # lands first and is cleared. With set_to_none=False the plain optimizer then steps
+    # zeros (AdamW's momentum and weight decay still move the parameters), as here.
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper), _adamw, bucket_cap_mb=1e-7)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            if i == 1:
+                opt.zero_grad(set_to_none)
+            opt.step()
+            opt.zero_grad()
+        return _params(model, opt)
+
+    _assert_equal_sides(body)
 
 
 def test_a_second_step_after_one_backward_steps_the_same_gradients_again_as_torch():
@@ -280,39 +338,99 @@ def test_clipping_after_backward_is_refused_at_step():
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         opt.step()
 
-    _refused(body, r"gradients of .* were changed after backward.*clip_grad_norm_")
+    _refused(body, r"gradients of .* were changed after backward.*opt.wait\(\) after backward")
 
 
-def test_a_grad_scaler_is_refused_at_its_step():
+def test_a_grad_scaler_without_wait_is_refused_at_its_step():
     def body(rank, group):
         model, ddp, opt = _overlapped_mlp(group)
         scaler = torch.amp.GradScaler("cpu")
         scaler.scale(ddp(torch.randn(4, 8)).sum()).backward()
         scaler.step(opt)
 
-    _refused(body, "GradScaler needs every gradient unscaled")
+    _refused(body, r"GradScaler unscales every gradient.*opt.wait\(\) after backward")
+
+
+@pytest.mark.parametrize("late", [True, False], ids=["landing late", "landing as it can"])
+def test_clipping_by_the_global_norm_after_wait_equals_torch_ddp(late):
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper) if late else group, _adamw,
+                                    bucket_cap_mb=1e-7)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            getattr(opt, "wait", lambda: None)()  # every bucket lands; none is stepped yet
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        return _params(model, opt)
+
+    _assert_equal_sides(body)
+
+
+def test_clipping_where_every_bucket_lands_as_backward_ends_needs_no_wait():
+    # With find_unused_parameters (or static_graph, a comm hook) buckets never land after
+    # backward: clipping between backward and step() is the plain optimizer's, on every rank.
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper), _adamw, bucket_cap_mb=1e-7,
+                                    find_unused_parameters=True)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad()
+        return _params(model, opt)
+
+    _assert_equal_sides(body)
+
+
+def test_a_grad_scaler_after_wait_skips_a_step_with_an_inf_anywhere_as_torch_ddp():
+    # Rank 0's second loss is infinite: its average is too, on both ranks, so GradScaler
+    # skips that step everywhere and lowers its scale, as with torch's DDP.
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper), _adamw, bucket_cap_mb=1e-7)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(4):
+            loss = ddp(torch.randn(4, 8, generator=g)).pow(2).sum()
+            if i == 1 and rank == 0:
+                loss = loss * float("inf")
+            scaler.scale(loss).backward()
+            getattr(opt, "wait", lambda: None)()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return _params(model, opt) + [torch.tensor(scaler.get_scale())]
+
+    _assert_equal_sides(body)
 
 
 @pytest.mark.parametrize("refused", ["grad_scaler", "clipping"])
-def test_a_refusal_at_the_first_step_comes_before_any_parameter_moved(refused):
-    # Every bucket landed before step() (opt.wait()): none is stepped before step()'s checks,
-    # so a GradScaler (whose inf check needs every gradient) or a clipping steps nothing.
+def test_a_refusal_at_step_comes_before_any_parameter_moved(refused):
+    # Buckets landed before step() are stepped by it, after its checks: a GradScaler or a
+    # clipping without opt.wait() steps nothing, on every rank, landed or not.
     def body(rank, group):
-        model, ddp, opt = _overlapped_mlp(group)
-        before = [p.detach().clone() for p in model.parameters()]
-        steps = []
-        plain_step = opt.optimizer.step
-        opt.optimizer.step = lambda *a, **k: steps.append(1) or plain_step(*a, **k)
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=(_Held if rank == 0 else _Reduced)(group),
+                          bucket_cap_mb=1e-7)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
         scaler = torch.amp.GradScaler("cpu")
-        loss = ddp(torch.randn(4, 8)).sum()
+        loss = ddp(torch.randn(4, 8)).sum()  # the first step's buckets land, stepped
+        before = [p.detach().clone() for p in model.parameters()]
+        steps, plain_step = [], opt.optimizer.step
+        opt.optimizer.step = lambda *a, **k: steps.append(1) or plain_step(*a, **k)
         (scaler.scale(loss) if refused == "grad_scaler" else loss).backward()
-        opt.wait()  # every bucket landed: at the first step, none stepped yet
-        with pytest.raises(RuntimeError, match="GradScaler|clip_grad_norm_"):
+        with pytest.raises(RuntimeError, match=r"opt.wait\(\) after backward and before"):
             if refused == "grad_scaler":
                 scaler.step(opt)
             else:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
                 opt.step()
+        ddp.reducer.abandon_iteration()  # no held all-reduce left for the exit to wait on
         return steps, all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
     for steps, unmoved in run_threaded(body, 2, timeout=60):
@@ -700,6 +818,33 @@ def test_a_parameter_written_after_step_is_refused_on_every_rank_landed_or_not(t
         return landing
 
     assert run_threaded(body, 2, timeout=60) == ["LANDING", "REDUCED"]
+
+
+@pytest.mark.parametrize("find_unused", [False, True], ids=["lands late", "lands as backward ends"])
+def test_a_parameter_written_between_backward_and_step_is_stepped_from_the_write_as_torch(
+        find_unused):
+    # A projection between backward and step(): rank 0's buckets still landing, rank 1's all
+    # landed (with find_unused_parameters, every bucket lands as backward ends, on both). Each
+    # is stepped after the write, by step() or as it lands, as torch's DDP steps it.
+    def body(rank, group, wrapper):
+        if wrapper is GradsyncDDP:
+            group = (_Held if rank == 0 else _Reduced)(group)
+        model = seeded(_layers, 0)
+        ddp = wrapper(model, process_group=group, bucket_cap_mb=1e-7,
+                      find_unused_parameters=find_unused)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if wrapper is GradsyncDDP:
+            opt = ddp.overlap_optimizer(opt)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            with torch.no_grad():
+                model[1].weight.clamp_(-0.2, 0.2)
+            opt.step()
+            opt.zero_grad()
+        return _params(model, opt)
+
+    _assert_equal_sides(body)
 
 
 class _Embedded(torch.nn.Module):

@@ -284,9 +284,10 @@ class DistributedDataParallel(_Base):
         `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
         forward runs over the communication still in flight. `step()` returns at once. Read
         parameters or gradients between `step()` and the next forward after `opt.wait()`.
-        Every synchronised backward steps: accumulate under `no_sync()`. Clipping after backward,
-        `torch.amp.GradScaler` and a second overlapped optimizer are refused, saying why. Results
-        equal torch's DDP's with `optimizer` stepped after backward. Call it alike on every rank."""
+        Buckets landed before `step()` are stepped by it, so backwards accumulate before a step
+        as with torch's DDP. Clipping and `torch.amp.GradScaler` call `opt.wait()` first (refused
+        without it, saying why); a second overlapped optimizer is refused. Results equal torch's
+        DDP's with `optimizer` stepped after backward. Call it alike on every rank."""
         reducer = self._reducer_for("overlap_optimizer")
         refuse_another(reducer, optimizer)
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)

@@ -4,30 +4,32 @@
 torch's DDP overlaps communication with backward and nothing else: the optimizer step waits
 for the last bucket, the one nearest the input, ready last in backward, and the next forward
 waits for the step. Here the wrapped optimizer's own code steps each bucket's parameters as
-that bucket lands (`Reducer.step_each_bucket`): at the end of backward those landed already,
-the rest where their parameters are needed next, in the next forward (a bucket lands when a
+that bucket lands (`Reducer.step_each_bucket`): `step()` those landed by then, the rest where
+their parameters are needed next, in the next forward (a bucket lands when a
 torch function is first given one of its parameters, `reducer.LandOnUse`), so the next forward
 runs over the communication still in flight. Any optimizer that steps each parameter
 from its own gradient and state gives the same parameters and state as stepping them all at
 once (SGD, Adam, AdamW, RMSprop, Adagrad...): its per-parameter arithmetic runs on a subset at
 a time.
 
-The loop stays `loss.backward(); opt.step(); opt.zero_grad()`; `step()` returns at once. What
-differs, and is refused rather than silently wrong:
+The loop stays `loss.backward(); opt.step(); opt.zero_grad()`; `step()` returns at once. A
+bucket landed before `step()` is stepped by it, as the plain optimizer would step it, so what
+comes between backward and `step()` is torch's: more synchronised backwards accumulate,
+`zero_grad` drops the gradients, a parameter written is stepped from the write. What differs,
+and is refused rather than silently wrong:
 
-- Every synchronised backward steps. Accumulate under `no_sync()` (torch's way); a second
-  synchronised backward with no `step()` since the last raises, naming the fix.
-- Between backward and the next forward the parameters and `.grad` may still be landing: read
-  them after `opt.wait()` (an EMA, a logged norm). With `GRADSYNC_DEBUG=DETAIL`, a torch
-  function given a parameter still landing between `step()` and the next forward, or its
-  gradient (not yet averaged), raises, naming it (`_ReadGuard`); a read through memory taken
-  earlier (a view or `.data` kept from before, `.data_ptr()`, numpy) is not seen. A gradient
-  changed before `step()` (torch's `clip_grad_norm_`, `GradScaler.unscale_`) comes too late for
-  a step decided by the reduced values: `step()` or the landing raises. `torch.amp.GradScaler`
-  is refused at its `step`, before any parameter has moved: until the first `step()` no bucket
-  is stepped on landing, the landed ones wait for `step()` and its checks (the first iteration
-  overlaps less). Gradients cleared or zeroed after `step()` (`zero_grad`, the module's too) are
-  cleared or zeroed again once the bucket still landing has been stepped.
+- Between backward and the next forward buckets may still be landing, their `.grad` this
+  rank's own until the average lands. What reads or changes every gradient before `step()`
+  (`clip_grad_norm_`, `torch.amp.GradScaler`) calls `opt.wait()` first; without it, `step()`
+  refuses a changed gradient, and GradScaler's step its scale (`_step_supports_amp_scaling`),
+  on every rank alike, before any parameter has moved. After `step()`, read parameters and
+  gradients after `opt.wait()` (an EMA, a logged norm); with `GRADSYNC_DEBUG=DETAIL`, a torch
+  function given a parameter still landing, or its gradient (not yet averaged), raises,
+  naming it (`_ReadGuard`); a read through memory taken earlier (a view or `.data` kept from
+  before, `.data_ptr()`, numpy) is not seen. A parameter written after `step()` without
+  `opt.wait()` is refused where a bucket could land next. Gradients cleared or zeroed after
+  `step()` (`zero_grad`, the module's too) are cleared or zeroed again once the bucket still
+  landing has been stepped.
 - The wrapper's `state_dict()`, `no_sync()`, `join()`, a forward that will not synchronise
   (eval, no grad) and the next backward land everything first.
 - A bucket holding a parameter this optimizer does not step lands as backward ends, as
@@ -48,7 +50,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
-from ..engine.reducer import Reducer, arguments_among
+from ..engine.reducer import Phase, Reducer, arguments_among
 from ..observability.log import detail_enabled
 from .module_guards import LocalRef
 
@@ -75,9 +77,6 @@ class OverlappedOptimizer(Optimizer):
     Reading parameters or gradients between `step()` and the next forward needs `wait()`.
     """
 
-    # GradScaler then calls `step` itself instead of unscaling first: refused there, by name.
-    _step_supports_amp_scaling = True
-
     def __init__(self, reducer: Reducer, optimizer: Optimizer,
                  module: torch.nn.Module | None = None) -> None:
         _check_steps_per_parameter(optimizer)
@@ -90,18 +89,16 @@ class OverlappedOptimizer(Optimizer):
         self._untouched: list[tuple[torch.Tensor, int]] | None = None
         self._subsets: weakref.WeakKeyDictionary[Bucket, list[list[torch.Tensor]]] = (
             weakref.WeakKeyDictionary())
-        self._iteration: int | None = None  # the reducer's iteration stepped last
+        self._iteration: int | None = None  # the reducer's last synchronised iteration
         self._acknowledged: int | None = None  # the iteration `step()` was last called after
-        self._steps: set[int] = set()  # every iteration `step()` was called after (recent ones)
-        self._stepped: list[_Held] = []  # stepped before `step()`: unchanged until it?
-        # Landed before the first `step()`, which steps them after its checks: a GradScaler's
-        # or a clipping's refusal then comes before any parameter has moved.
-        self._deferred: list[list[list[torch.Tensor]]] = []
+        # Landed before `step()`, which steps them, while others may still be landing (their
+        # gradients must not change until it: `_check_landed`).
+        self._landed: list[_Held] = []
         self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
+        self._dropping = False  # zero_grad() before `step()`: landing them to clear them
         # .grad as the user left it since step(), put back once the bucket is stepped
         self._resets: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
-        self._versions: dict[int, list[tuple[torch.Tensor, int]]] = {}  # their parameters'
         # The groups' settings (lr...) when `step()` was called: the buckets landing after it
         # are stepped with them, not with what an LR scheduler has set since.
         self._settings: list[dict[str, Any]] = []
@@ -131,6 +128,15 @@ class OverlappedOptimizer(Optimizer):
     # ------------------------------------------------------------------ the optimizer's face
 
     @property
+    def _step_supports_amp_scaling(self) -> bool:  # type: ignore[override]
+        """Asked by `torch.amp.GradScaler` at its step. While buckets may be landing (no
+        `wait()` since backward) it then hands `step()` its scale and inf flag instead of
+        unscaling and checking gradients not all averaged yet, and `step()` refuses them by
+        name; once every bucket has landed, it unscales, checks and steps as with the plain
+        optimizer. Alike on every rank, whichever buckets have landed on it."""
+        return bool(self._landed or self._pending)
+
+    @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.optimizer.param_groups
 
@@ -152,10 +158,14 @@ class OverlappedOptimizer(Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As the optimizer's; the gradients of buckets still landing once they are stepped.
-        Refused between a synchronised backward and its `step()`: its buckets are stepped
-        already, or will be, so its gradients can no longer be dropped."""
-        if self._iteration is not None and self._iteration not in self._steps:
-            raise RuntimeError(_ZEROED_BEFORE_STEP)
+        Between a synchronised backward and its `step()` every bucket lands first and its
+        averages are cleared, as the plain optimizer clears them (a skipped step)."""
+        if self._before_step():  # dropped: what their gradients held no longer matters
+            self._landed, self._dropping = [], True
+            try:
+                self.wait()
+            finally:
+                self._dropping = False
         # gradients still backward's, to be written into and stepped: cleared once stepped
         landing = {id(p) for held in self._pending.values() for p, g, _ in held if p.grad is g}
         for index in self._pending:
@@ -169,7 +179,6 @@ class OverlappedOptimizer(Optimizer):
         """As the optimizer's; on every rank alike (checked: one collective)."""
         self.wait()
         self.optimizer.add_param_group(param_group)
-        self._deferred = [subsets + [[]] for subsets in self._deferred]  # none in the new group
         self._regroup()
         self._subsets.clear()
         if (reducer := self._reducer()) is not None:
@@ -182,9 +191,9 @@ class OverlappedOptimizer(Optimizer):
     # ------------------------------------------------------------------ stepping
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
-        """Returns at once: the buckets are stepped as they land. Checks that no gradient
-        was changed since backward, and steps what no bucket holds (the wrapper's delayed or
-        excluded parameters, others the optimizer holds). A `closure` (forward and backward:
+        """Steps every parameter as the plain optimizer would, except those of buckets still
+        landing, and returns: those are stepped as they land. Checks first that no gradient
+        of a bucket was changed while buckets were landing. A `closure` (forward and backward:
         Lightning's automatic optimization passes one) is called once first, with gradients
         enabled, as an optimizer that steps per parameter calls it; its loss is returned."""
         if closure is None:
@@ -206,20 +215,28 @@ class OverlappedOptimizer(Optimizer):
             with self._own:
                 self.optimizer.step()
             return
-        self._check_unchanged(self._stepped + [h for held in self._pending.values() for h in held])
-        for subsets in self._deferred:
-            self._with_groups(subsets, self.optimizer.step)
-        self._deferred = []
-        if any(self._rest):
-            self._with_groups(self._rest, self.optimizer.step)
+        self._check_landed()
+        landing = {id(p) for held in self._pending.values() for p, _, _ in held}
+        self._with_groups([[p for p in g["params"] if id(p) not in landing]
+                           for g in self.optimizer.param_groups], self.optimizer.step)
         self._settings = [{k: v for k, v in g.items() if k != "params"}
                           for g in self.optimizer.param_groups]
         reducer = self._reducer()
-        self._acknowledged, self._stepped = (reducer.iteration if reducer else None), []
-        self._steps.add(self._acknowledged)  # type: ignore[arg-type]
+        self._acknowledged, self._landed = (reducer.iteration if reducer else None), []
         with torch._C.DisableTorchFunction():  # `_version` of a parameter is a torch function
             self._untouched = [(p, p._version) for p in self._bucketed]
         self._guard_reads()
+
+    def _before_step(self) -> bool:
+        """Whether a synchronised backward came since the last `step()`."""
+        return self._iteration is not None and self._iteration != self._acknowledged
+
+    def _check_landed(self) -> None:
+        """Before `step()`: no gradient of a bucket changed since backward while buckets were
+        landing, on every rank alike, whichever buckets have landed on it: the averages of
+        those still landing would overwrite the change, and a norm taken then (clipping,
+        GradScaler's inf check) mixes averaged gradients with local ones."""
+        self._check_unchanged(self._landed + [h for held in self._pending.values() for h in held])
 
     def _check_untouched(self) -> None:
         """Where buckets still landing would land first, on every rank alike: no parameter of
@@ -235,12 +252,17 @@ class OverlappedOptimizer(Optimizer):
             raise RuntimeError(_PARAMETER_CHANGED.format(names=self._named(written)))
 
     def wait(self) -> None:
-        """Land and step every bucket still landing: call before reading parameters or
-        gradients between `step()` and the next forward (the next forward does it itself)."""
+        """Land every bucket still landing, and step it after `step()`: call before reading
+        parameters or gradients between `step()` and the next forward (the next forward does
+        it itself), or between backward and `step()` before changing gradients (clipping by
+        the global norm, `GradScaler`): `step()` then steps what they hold, as the plain
+        optimizer would."""
         reducer = self._reducer()
         if reducer is not None:
             with self._own:
                 reducer.land()
+        if self._before_step():  # every bucket landed: its gradients are the user's now
+            self._landed = []
         self._release_guard()
 
     def _backward_ended(self, pending: Sequence[Bucket]) -> None:
@@ -248,23 +270,17 @@ class OverlappedOptimizer(Optimizer):
         self._begin(reducer.iteration if reducer is not None else None)
         self._pending = {b.index: [(p, p.grad, _version(p.grad)) for p in self._held(b)]
                          for b in pending}
-        self._versions = {index: [(p, p._version) for p, _, _ in held]
-                          for index, held in self._pending.items()}
         self._resets, self._zero_after = {}, {}
 
     def _landing(self, bucket: Bucket) -> None:
-        """Before the bucket's write-back: a gradient changed since backward is an error
-        before `step()` (too late for this step), a reset after it (for the next backward)."""
+        """Before the bucket's write-back, after `step()`: a gradient changed since backward
+        is a reset (for the next backward), put back once the bucket is stepped."""
         held = self._pending.pop(bucket.index, None)
         if not held:
             return
-        versions = self._versions.pop(bucket.index, ())
-        if written := [(p, None) for p, version in versions if p._version != version]:
-            raise RuntimeError(_PARAMETER_CHANGED.format(names=self._named(written)))
         reducer = self._reducer()
         if reducer is None or self._acknowledged != reducer.iteration:
-            self._check_unchanged(held)
-            return
+            return  # for `step()`: checked where it could land, on every rank (`_check_landed`)
         changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
         if self._as_view and (into := [(p, g) for p, g, v in held if _version(g) != v]):
             raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(into)))
@@ -278,17 +294,19 @@ class OverlappedOptimizer(Optimizer):
         self._resets[bucket.index] = resets
 
     def _written(self, bucket: Bucket) -> None:
-        """Step the parameters of `bucket` this optimizer holds (its averages just written
-        back); the first bucket of an iteration checks that the last one's step was taken."""
+        """After `step()`, step the parameters of `bucket` this optimizer holds (its averages
+        just written back) with the settings `step()` saw. Before it, leave them to `step()`,
+        as the plain optimizer: accumulated over more backwards, cleared, clipped."""
         reducer = self._reducer()
         number = reducer.iteration if reducer is not None else None
         self._begin(number)
         subsets = self._subsets_of(bucket)
-        after_step = self._acknowledged == number
-        if self._acknowledged is None:  # before the first `step()`: stepped by it
-            self._deferred.append(subsets)
-        else:
-            self._with_groups(subsets, self.optimizer.step, self._settings if after_step else None)
+        if self._acknowledged != number:
+            if reducer is not None and reducer.phase is Phase.LANDING:  # others may be landing
+                self._landed += [(p, p.grad, _version(p.grad))
+                                 for group in subsets for p in group if p.grad is not None]
+            return
+        self._with_groups(subsets, self.optimizer.step, self._settings)
         resets = self._resets.pop(bucket.index, [])
         for param, grad in resets:
             if grad is _ZEROED:
@@ -302,23 +320,18 @@ class OverlappedOptimizer(Optimizer):
                     param.grad = None
                 elif param.grad is not None:
                     param.grad.zero_()
-        if not after_step:  # before `step()`: it checks that none changed since
-            self._stepped += [(p, p.grad, _version(p.grad))
-                              for group in subsets for p in group if p.grad is not None]
 
     # ------------------------------------------------------------------ helpers
 
     def _begin(self, number: int | None) -> None:
-        """Iteration `number` steps from now on: the last one stepped must have been followed
-        by `step()` (else gradients were accumulated across synchronised backwards)."""
+        """Iteration `number` lands from now on. The last one's buckets have all landed (the
+        next backward lands them first); without a `step()` since, their averages stay in
+        `.grad`, accumulated into, as with torch's DDP."""
         if number == self._iteration:
             return
-        if self._iteration is not None and self._iteration not in self._steps:
-            raise RuntimeError(_ACCUMULATED)
-        self._steps = {n for n in self._steps if n >= (number or 0)}
-        self._iteration, self._stepped, self._deferred = number, [], []
+        self._iteration, self._landed = number, []
         # what an iteration dropped before all its buckets landed (an error) left behind
-        self._pending, self._versions, self._resets, self._zero_after = {}, {}, {}, {}
+        self._pending, self._resets, self._zero_after = {}, {}, {}
         if self._guard is not None:  # its buckets' indices mean other buckets after a rebuild
             self._guard.disarm()
 
@@ -357,7 +370,9 @@ class OverlappedOptimizer(Optimizer):
                 group.update(kept)
 
     def _check_unchanged(self, held: list[_Held]) -> None:
-        changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
+        # `.grad` is a torch function: inside a forward, `LandOnUse` would land the bucket
+        with torch._C.DisableTorchFunction():
+            changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
         if changed:
             raise RuntimeError(_CHANGED.format(names=self._named(changed)))
 
@@ -366,11 +381,9 @@ class OverlappedOptimizer(Optimizer):
         return ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
 
     def _regroup(self) -> None:
-        """The optimizer's parameters by group outside the buckets (stepped by `step()`
-        itself), and those in them."""
-        groups = self.optimizer.param_groups
-        self._rest = [[p for p in g["params"] if id(p) not in self._in_buckets] for g in groups]
-        self._bucketed = [p for g in groups for p in g["params"] if id(p) in self._in_buckets]
+        """The optimizer's parameters in the buckets."""
+        self._bucketed = [p for g in self.optimizer.param_groups for p in g["params"]
+                          if id(p) in self._in_buckets]
 
     # ------------------------------------------------------------------ the read guard
 
@@ -597,6 +610,8 @@ class _Stepper:
     def before_landing(self) -> None:
         if (optimizer := self._optimizer()) is not None:
             optimizer._check_untouched()
+            if optimizer._before_step() and not optimizer._dropping:
+                optimizer._check_landed()
 
     def release_guard(self) -> None:
         """Every bucket landed, or a forward's `LandOnUse` exited: the read guard may go."""
@@ -712,14 +727,22 @@ def _check_steps_per_parameter(optimizer: object) -> None:
 
 
 _CHANGED = (
-    "OverlappedOptimizer: the gradients of {names} were changed after backward, but each "
-    "bucket is stepped with the reduced values as it lands, so the change would be lost "
-    "(torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ between backward and step?). Step "
-    "with the plain optimizer to clip by the global norm or to scale the loss; read gradients "
-    "after opt.wait()."
+    "OverlappedOptimizer: the gradients of {names} were changed after backward while buckets "
+    "were still landing: the averages landing would overwrite the change, and what reads "
+    "every gradient then (a global norm, GradScaler's inf check) mixes averaged gradients "
+    "with local ones. Call opt.wait() after backward and before changing gradients "
+    "(torch.nn.utils.clip_grad_norm_, GradScaler.step or unscale_): every bucket lands first "
+    "and step() steps what the gradients then hold, as the plain optimizer would."
+)
+_GRAD_SCALER = (
+    "OverlappedOptimizer: torch.amp.GradScaler unscales every gradient and checks them all for "
+    "inf before the step, but buckets were still landing: their gradients are not averaged "
+    "yet, and a step with an inf anywhere must step none. Call opt.wait() after backward and "
+    "before scaler.step(opt) (or scaler.unscale_(opt)): every bucket lands first and the "
+    "scaler then works as with the plain optimizer. Training in bfloat16 needs no scaler."
 )
 _PARAMETER_CHANGED = (
-    "OverlappedOptimizer: the parameters {names} were written in place after backward while "
+    "OverlappedOptimizer: the parameters {names} were written in place after step() while "
     "buckets may still be landing, each stepped as it lands from the values it had: the write "
     "and the step would mix. Call opt.wait() before writing to parameters between step() and "
     "the next forward (weight clipping, a projection; an EMA reads them after it too; a "
@@ -731,19 +754,6 @@ _CHANGED_IN_FLIGHT = (
     "the reduction would be corrupted. Clear them with opt.zero_grad() (which waits for the "
     "bucket), or model.zero_grad(set_to_none=True)."
 )
-_ZEROED_BEFORE_STEP = (
-    "OverlappedOptimizer: zero_grad() came between a synchronised backward and its step(): with "
-    "overlap_optimizer each bucket is stepped as it lands, from the end of backward on, so that "
-    "backward's gradients can no longer be dropped (some parameters have moved already). Call "
-    "zero_grad() after step() or before the forward; to skip a step (a loss that is not "
-    "finite), decide before backward, or step the plain optimizer."
-)
-_ACCUMULATED = (
-    "OverlappedOptimizer: a second synchronised backward came without step() since the last: "
-    "with overlap_optimizer every synchronised backward steps the parameters, at its end. "
-    "Accumulate gradients under model.no_sync() (the backwards that do not step), as with "
-    "torch's DDP, or use the plain optimizer to accumulate across synchronised backwards."
-)
 _READ_PENDING = (
     "OverlappedOptimizer (GRADSYNC_DEBUG=DETAIL): {function} was given {what}, still being "
     "updated by the overlapped step: their bucket has not landed yet, so this reads the values "
@@ -751,9 +761,4 @@ _READ_PENDING = (
     "would mix with the step). Call opt.wait() before reading parameters or gradients between "
     "step() and the next forward (an EMA, a logged norm); the wrapper's own forward, its "
     "state_dict() and opt.wait() wait by themselves."
-)
-_GRAD_SCALER = (
-    "OverlappedOptimizer: torch.amp.GradScaler needs every gradient unscaled and checked for "
-    "inf before any parameter moves, but each bucket was stepped at the end of backward. Use "
-    "the plain optimizer with a GradScaler, or train in bfloat16 (no loss scaling needed)."
 )
