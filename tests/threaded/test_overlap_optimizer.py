@@ -599,7 +599,8 @@ def test_a_forward_of_the_module_itself_lands_first_and_its_backward_stays_local
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_gradients_cleared_after_step_stay_cleared_once_their_bucket_lands():
+@pytest.mark.parametrize("cleared_by", ["module", "optimizer"])
+def test_gradients_cleared_after_step_are_none_at_once_and_once_their_bucket_lands(cleared_by):
     def body(rank, group):
         held = _Held(group)
         model = seeded(_layers, 0)
@@ -607,11 +608,12 @@ def test_gradients_cleared_after_step_stay_cleared_once_their_bucket_lands():
         opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         ddp(torch.randn(4, 8)).sum().backward()
         opt.step()
-        model.zero_grad()  # the module's, not the optimizer's: set to None behind its back
+        (model if cleared_by == "module" else opt).zero_grad()  # every bucket still landing
+        at_once = [p.grad is None for p in model.parameters()]
         opt.wait()
-        return [p.grad is None for p in model.parameters()]
+        return at_once, [p.grad is None for p in model.parameters()]
 
-    assert run_threaded(body, 2, timeout=60) == [[True] * 8] * 2
+    assert run_threaded(body, 2, timeout=60) == [([True] * 8, [True] * 8)] * 2
 
 
 def _set_ones(model):

@@ -121,6 +121,31 @@ def test_backward_twice_without_a_forward_is_an_error():
         run_threaded(body, 2)
 
 
+@pytest.mark.parametrize("where", ["before step", "after step"])
+def test_a_backward_of_a_loss_over_the_parameters_alone_stays_local_as_with_torch_ddp(where):
+    # No forward through the wrapper leads to it: its gradients are each rank's own (alike on
+    # every rank here), accumulated into .grad, as torch's DDP leaves them. Once it raised
+    # "marked ready for reduction twice"; a retained graph's second backward still does (above).
+    def train(rank, group, wrapper):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = wrapper(model, process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).mean().backward()
+            if where == "before step":
+                (1e-2 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+            opt.step()
+            opt.zero_grad()
+            if where == "after step":  # into the next step's gradients
+                (1e-2 * sum(p.pow(2).sum() for p in model.parameters())).backward()
+        return [p.detach().clone() for p in model.parameters()]
+
+    for ours, theirs in zip(run_threaded(train, 2, GradsyncDDP, timeout=60),
+                            run_threaded(train, 2, TorchDDP, timeout=60)):
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
+
+
 def test_forward_without_tensors_is_refused_when_the_graph_must_be_walked():
     class NoTensors(torch.nn.Module):
         def __init__(self) -> None:

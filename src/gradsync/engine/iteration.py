@@ -50,6 +50,9 @@ class Iteration:
     """The end of backward is queued on the autograd engine (or nothing is left to finish)."""
     watching: bool = False
     """The outputs' backward nodes will queue the end of backward."""
+    again: int = -1
+    """Once reduced: the graph task of a later backward through the outputs' nodes (a second
+    backward of a retained graph), whose gradients are late ones, not a backward of its own."""
     backward_stream: Any = None
     """On a GPU: the stream of this backward's first hook."""
 

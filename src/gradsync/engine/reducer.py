@@ -382,7 +382,7 @@ class Reducer:
                 if self._calls is not None:  # once per backward: hooks run on its stream(s)
                     it.backward_stream = self._calls.current_stream()
             elif phase is not _LAUNCHED:  # idle or reduced: not ours to count
-                if phase is _REDUCED and it.marked[index]:
+                if phase is _REDUCED and it.marked[index] and _runs_again(it):
                     raise GradSyncError(marked_twice_message(self.names[index], index, self.rank,
                                                              "late"))
                 return
@@ -916,12 +916,24 @@ def _on_backward_start(reducer: weakref.ref[Reducer], it: Iteration, _grads: obj
     live = reducer()
     if live is None or live._it is not it:
         return
+    if live.phase is Phase.REDUCED:  # a second backward through these outputs (`_runs_again`)
+        it.again = torch._C._current_graph_task_id()
+        return
     if it.search is not None and live.phase is Phase.PREPARED:
         if (unused := live._answer_in_backward(it.search, None)) is None:
             return  # torch.autograd.grad: the search waits for a backward that accumulates
         it.unused, it.answered = unused, True
     if not it.end_queued and live.phase in (Phase.PREPARED, Phase.BACKWARD, Phase.LAUNCHED):
         live._queue_end_of_backward(it)
+
+
+def _runs_again(it: Iteration) -> bool:
+    """Whether a gradient coming after `it` was reduced comes from a backward through its
+    forward's outputs again (a retained graph's second backward: left out of the average, an
+    error), rather than from a backward of a graph of its own (a loss over the parameters
+    alone, backward without a forward: local, as with torch's DDP). Without outputs to watch,
+    taken for the former."""
+    return not it.watching or it.again == torch._C._current_graph_task_id()
 
 
 def _quiesce_at_exit(reducer: Reducer) -> None:

@@ -166,10 +166,15 @@ class OverlappedOptimizer(Optimizer):
                 self.wait()
             finally:
                 self._dropping = False
-        # gradients still backward's, to be written into and stepped: cleared once stepped
-        landing = {id(p) for held in self._pending.values() for p, g, _ in held if p.grad is g}
-        for index in self._pending:
-            self._zero_after[index] = set_to_none
+        # Gradients still backward's, to be written into and stepped: zeroed once stepped
+        # (zeroed now, a gradient_as_bucket_view one would corrupt the reduction). Cleared now,
+        # their averages land into backward's tensor all the same (`_pending` holds it), and
+        # `.grad` is put back as left: None, or what a backward since accumulated (a loss over
+        # the parameters alone).
+        landing = set() if set_to_none else {
+            id(p) for held in self._pending.values() for p, g, _ in held if p.grad is g}
+        if not set_to_none:
+            self._zero_after.update((index, False) for index in self._pending)
         with self._own:
             self._with_groups([[p for p in g["params"] if id(p) not in landing]
                                for g in self.optimizer.param_groups],
