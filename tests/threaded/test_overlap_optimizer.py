@@ -247,16 +247,20 @@ def _assert_equal_sides(body):
 
 
 @pytest.mark.parametrize("late", [True, False], ids=["landing late", "landing as it can"])
-def test_synchronised_backwards_accumulated_before_one_step_equal_torch_ddp(late):
-    # Two synchronised backwards, then one step (a loss over two views, each its own forward;
-    # gradient accumulation without no_sync): .grad holds the sum of the two averages, and
-    # step() steps it once, as torch's DDP and the plain optimizer do.
+@pytest.mark.parametrize("second", ["synchronised", "no_sync"])
+def test_backwards_accumulated_after_a_synchronised_one_before_one_step_equal_torch_ddp(
+        second, late):
+    # Two backwards, then one step. Both synchronised (a loss over two views, each its own
+    # forward; accumulation without no_sync): .grad holds the sum of the two averages. The
+    # second under no_sync: the first's averages plus this rank's own. step() steps it once,
+    # as torch's DDP and the plain optimizer do.
     def body(rank, group, wrapper):
         model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper) if late else group, _adamw,
                                     bucket_cap_mb=1e-7)
         g = torch.Generator().manual_seed(rank)
         for _ in range(3):
-            for _ in range(2):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            with ddp.no_sync() if second == "no_sync" else contextlib.nullcontext():
                 ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
             opt.step()
             opt.zero_grad()

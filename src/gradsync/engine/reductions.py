@@ -69,7 +69,7 @@ class BucketStepper(Protocol):
         """`bucket` has landed and is about to be written back into `.grad`."""
 
     def written(self, bucket: Bucket) -> None:
-        """`bucket`'s averages are in `.grad`: step its parameters."""
+        """`bucket`'s averages are in `.grad`: step its parameters (now, or at the step)."""
 
     def may_land_later(self, bucket: Bucket) -> bool:
         """Whether `bucket` may land after backward: every parameter of it is stepped here.

@@ -96,6 +96,7 @@ class OverlappedOptimizer(Optimizer):
         self._landed: list[_Held] = []
         self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
         self._dropping = False  # zero_grad() before `step()`: landing them to clear them
+        self._settled = False  # every bucket landed where the program asked, before `step()`
         # .grad as the user left it since step(), put back once the bucket is stepped
         self._resets: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
@@ -243,6 +244,18 @@ class OverlappedOptimizer(Optimizer):
         GradScaler's inf check) mixes averaged gradients with local ones."""
         self._check_unchanged(self._landed + [h for held in self._pending.values() for h in held])
 
+    def _before_landing(self, everything: bool) -> None:
+        """Where buckets could land (`Reducer.before_landing`), on every rank alike: the checks
+        of what was written since backward or `step()`. Before `step()`, once `everything`
+        lands there, the gradients are the user's: a change since is `step()`'s to step."""
+        self._check_untouched()
+        if not self._before_step():
+            return
+        if not self._dropping:
+            self._check_landed()
+        if everything:
+            self._landed, self._settled = [], True
+
     def _check_untouched(self) -> None:
         """Where buckets still landing would land first, on every rank alike: no parameter of
         a bucket may have been written since `step()`. Checked against every bucket, landed on
@@ -266,8 +279,6 @@ class OverlappedOptimizer(Optimizer):
         if reducer is not None:
             with self._own:
                 reducer.land()
-        if self._before_step():  # every bucket landed: its gradients are the user's now
-            self._landed = []
         self._release_guard()
 
     def _backward_ended(self, pending: Sequence[Bucket]) -> None:
@@ -307,7 +318,7 @@ class OverlappedOptimizer(Optimizer):
         self._begin(number)
         subsets = self._subsets_of(bucket)
         if self._acknowledged != number:
-            if reducer is not None and reducer.phase is Phase.LANDING:  # others may be landing
+            if reducer is not None and reducer.phase is Phase.LANDING and not self._settled:
                 self._landed += [(p, p.grad, _version(p.grad))
                                  for group in subsets for p in group if p.grad is not None]
             return
@@ -334,7 +345,7 @@ class OverlappedOptimizer(Optimizer):
         `.grad`, accumulated into, as with torch's DDP."""
         if number == self._iteration:
             return
-        self._iteration, self._landed = number, []
+        self._iteration, self._landed, self._settled = number, [], False
         # what an iteration dropped before all its buckets landed (an error) left behind
         self._pending, self._resets, self._zero_after = {}, {}, {}
         if self._guard is not None:  # its buckets' indices mean other buckets after a rebuild
@@ -612,11 +623,9 @@ class _Stepper:
         optimizer = self._optimizer()
         return optimizer is None or optimizer._steps_whole(bucket)
 
-    def before_landing(self) -> None:
+    def before_landing(self, everything: bool) -> None:
         if (optimizer := self._optimizer()) is not None:
-            optimizer._check_untouched()
-            if optimizer._before_step() and not optimizer._dropping:
-                optimizer._check_landed()
+            optimizer._before_landing(everything)
 
     def release_guard(self) -> None:
         """Every bucket landed, or a forward's `LandOnUse` exited: the read guard may go."""
