@@ -129,9 +129,8 @@ class Reducer:
         self.phase, self._it = Phase.IDLE, Iteration.idle(0, len(self.params), self.world_size)
         self.on_use: LandOnUse | None = None  # lands buckets as the forward uses them
         self.on_use_ended: Callable[[], None] | None = None  # called as each `on_use` exits
-        # Called wherever buckets still landing would land (`land`, `landing_on_use`, a forward
-        # of the module itself), on every rank alike, whether or not any is landing on this one;
-        # told whether every bucket lands there (True) or only those used (a forward).
+        # Called wherever buckets still landing would land, on every rank alike, landing or
+        # not on this one: True where every bucket lands (`land`), False in a forward.
         self.before_landing: Callable[[bool], None] | None = None
         # Held for the unused search to ask the engine about (else it walks the graph); not
         # with parameters cast each forward (`bucket_dtype`), whose accumulators are new each time.

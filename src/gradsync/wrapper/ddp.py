@@ -275,19 +275,18 @@ class DistributedDataParallel(_Base):
         `overlap.DEFAULT_OVERLAP_BUCKET_MB` (4 MiB) instead of torch's 25 MiB: each is stepped as
         it lands, and smaller ones start reducing earlier in backward. With
         `bucket_cap_mb="auto"` not yet planned, so are the buckets the planner's candidates are
-        tried against. Buckets landed by the end of backward are stepped there, the rest in the
-        next forward, each where one of its parameters is first used; the last `tail_mb` MiB of
+        tried against. Buckets landed by `step()` are stepped there (backwards before it
+        accumulate, as with torch's DDP), the rest in the next forward, each where one of its
+        parameters is first used; the last `tail_mb` MiB of
         gradients in ready order (nearest the input: needed first) are sent nearest-first, in
         chunks of `chunk_mb` MiB, at most `credit_mb` MiB of them reducing at once (0: all;
         `ReducerConfig.priority_tail_bytes`, `credit_bytes`; None: the measured defaults,
         `overlap.DEFAULT_TAIL_MB`, `DEFAULT_CHUNK_MB` and `DEFAULT_CREDIT_MB`, which with
         `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
         forward runs over the communication still in flight. `step()` returns at once. Read
-        parameters or gradients between `step()` and the next forward after `opt.wait()`.
-        Buckets landed before `step()` are stepped by it, so backwards accumulate before a step
-        as with torch's DDP. Clipping and `torch.amp.GradScaler` call `opt.wait()` first (refused
-        without it, saying why); a second overlapped optimizer is refused. Results equal torch's
-        DDP's with `optimizer` stepped after backward. Call it alike on every rank."""
+        parameters between `step()` and the next forward, clip or scale gradients, after
+        `opt.wait()`. Results equal torch's DDP's with `optimizer` stepped after backward. Call
+        it alike on every rank."""
         reducer = self._reducer_for("overlap_optimizer")
         refuse_another(reducer, optimizer)
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
