@@ -106,4 +106,9 @@ def main(framework: str, configs: dict[str, Callable[[str, str], None]]) -> None
                 configs[config](out_dir, impl)
     if dist.is_initialized():
         dist.barrier()
+        # torch asks for it before exit. Without it, on a loaded machine a rank now and then
+        # aborted at interpreter exit ("terminate called without an active exception"), after
+        # every result was written (HF Trainer's script, torch's run and gradsync's in one
+        # process; not seen with either alone).
+        dist.destroy_process_group()
     print(f"{framework}: done {chosen}", flush=True)
