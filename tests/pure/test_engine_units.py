@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from gradsync.engine.bucket import Bucket, ReduceBy, Sharding
+from gradsync.engine.layout import priority_tail
 from gradsync.engine.pool import BufferPool
 from gradsync.engine.reducer import Phase
 from gradsync.engine.static_graph import StaticGraph
@@ -312,3 +313,16 @@ def test_quiesce_waits_for_collectives_in_flight_within_its_bound_and_no_longer(
     start = time.monotonic()
     quiesce([done, idle])
     assert time.monotonic() - start < 0.1
+
+
+def test_the_tail_ends_at_the_parameter_boundary_nearest_its_size():
+    # Ready order: a large layer (8 KiB), then 3.5 KiB nearest the input. A 4 KiB tail holds
+    # those 3.5 KiB; the large layer stays in the head, sent as it is ready in backward (once
+    # it was pulled into the tail, and the whole of it waited for the end of backward).
+    sizes = [2048, 256, 128, 512]  # float32 elements: 8, 1, 0.5 and 2 KiB; in ready order
+    params = [torch.empty(n) for n in sizes]
+    layout, order = priority_tail([[0, 1, 2, 3]], params, [False] * 4, 4096, 2048)
+    assert layout == [[0], [1, 2], [3]] and order == [0, 2, 1]
+    # 15 KiB: the large layer as well, the tail's size nearer 15 KiB with it than without
+    layout, order = priority_tail([[0, 1, 2, 3]], params, [False] * 4, 15 * 1024, 8192)
+    assert layout == [[0], [1, 2, 3]] and order == [1, 0]

@@ -48,10 +48,10 @@ def priority_tail(
     layout: list[list[int]], params: Sequence[torch.Tensor], sparse: Sequence[bool],
     tail_bytes: int, chunk_bytes: int,
 ) -> tuple[list[list[int]], list[int]]:
-    """`layout` with its last `tail_bytes` of gradients cut into buckets (chunks) of at most
-    `chunk_bytes` each (at parameter boundaries; a larger parameter is a chunk of its own), and
-    the order to start the buckets in: those before the tail as they fill, then the tail's,
-    once all are full, nearest the input first.
+    """`layout` with its last `tail_bytes` of gradients (to the nearest parameter boundary)
+    cut into buckets (chunks) of at most `chunk_bytes` each (a larger parameter is a chunk of
+    its own), and the order to start the buckets in: those before the tail as they fill, then
+    the tail's, once all are full, nearest the input first.
 
     In ready order the last buckets hold the parameters nearest the input: ready last in
     backward, needed first by the next forward. Sent last in ready order they are the
@@ -66,13 +66,17 @@ def priority_tail(
             head.insert(0, bucket)
             budget = 0
             continue
+        # A parameter joins the tail while that brings it nearer `tail_bytes`: a large one
+        # beyond it stays in the head, sent as it is ready in backward (held with the tail,
+        # an 8 MiB layer behind a 4 MiB tail waited for the end of backward, idling the link).
         cut = len(bucket)
-        while cut > 0 and budget > 0:
+        while cut > 0 and nbytes[bucket[cut - 1]] < 2 * budget:
             cut -= 1
             budget -= nbytes[bucket[cut]]
         tail[:0] = bucket[cut:]
-        if cut:
+        if cut:  # the tail ends inside this bucket
             head.insert(0, bucket[:cut])
+            budget = 0
     chunks: list[list[int]] = []
     kind = [(p.dtype, p.device) for p in params]  # a bucket holds one dtype on one device
     filled = 0  # bytes in the last chunk
