@@ -246,6 +246,24 @@ def _assert_equal_sides(body):
         assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
 
 
+def _equal_sides_between(between, late=True, **kwargs):
+    """The mlp trained three steps under gradsync's (AdamW overlapped, its buckets all landing
+    late if `late`) and under torch's DDP, `between(ddp, opt, i, batch)` called between each
+    backward and its step: the same parameters, bit for bit."""
+    def body(rank, group, wrapper):
+        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper) if late else group, _adamw,
+                                    bucket_cap_mb=1e-7, **kwargs)
+        g = torch.Generator().manual_seed(rank)
+        for i in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            between(ddp, opt, i, lambda: torch.randn(4, 8, generator=g))
+            opt.step()
+            opt.zero_grad()
+        return _params(model, opt)
+
+    _assert_equal_sides(body)
+
+
 @pytest.mark.parametrize("late", [True, False], ids=["landing late", "landing as it can"])
 @pytest.mark.parametrize("second", ["synchronised", "no_sync"])
 def test_backwards_accumulated_after_a_synchronised_one_before_one_step_equal_torch_ddp(
@@ -254,19 +272,11 @@ def test_backwards_accumulated_after_a_synchronised_one_before_one_step_equal_to
     # forward; accumulation without no_sync): .grad holds the sum of the two averages. The
     # second under no_sync: the first's averages plus this rank's own. step() steps it once,
     # as torch's DDP and the plain optimizer do.
-    def body(rank, group, wrapper):
-        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper) if late else group, _adamw,
-                                    bucket_cap_mb=1e-7)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(3):
-            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
-            with ddp.no_sync() if second == "no_sync" else contextlib.nullcontext():
-                ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
-            opt.step()
-            opt.zero_grad()
-        return _params(model, opt)
+    def another_backward(ddp, opt, i, batch):
+        with ddp.no_sync() if second == "no_sync" else contextlib.nullcontext():
+            ddp(batch()).pow(2).sum().backward()
 
-    _assert_equal_sides(body)
+    _equal_sides_between(another_backward, late)
 
 
 def test_a_gan_whose_generator_backward_reduces_the_discriminator_again_equals_torch_ddp():
@@ -305,18 +315,11 @@ def test_zero_grad_between_backward_and_step_drops_the_gradients_as_torch_ddp(se
     # A step skipped by clearing its gradients (a loss that was not finite): every bucket
     # lands first and is cleared. With set_to_none=False the plain optimizer then steps
     # zeros (AdamW's momentum and weight decay still move the parameters), as here.
-    def body(rank, group, wrapper):
-        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper), _adamw, bucket_cap_mb=1e-7)
-        g = torch.Generator().manual_seed(rank)
-        for i in range(3):
-            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
-            if i == 1:
-                opt.zero_grad(set_to_none)
-            opt.step()
-            opt.zero_grad()
-        return _params(model, opt)
+    def skip_the_second(ddp, opt, i, batch):
+        if i == 1:
+            opt.zero_grad(set_to_none)
 
-    _assert_equal_sides(body)
+    _equal_sides_between(skip_the_second)
 
 
 def test_a_second_step_after_one_backward_steps_the_same_gradients_again_as_torch():
@@ -355,38 +358,19 @@ def test_a_grad_scaler_without_wait_is_refused_at_its_step():
     _refused(body, r"GradScaler unscales every gradient.*opt.wait\(\) after backward")
 
 
-@pytest.mark.parametrize("late", [True, False], ids=["landing late", "landing as it can"])
-def test_clipping_by_the_global_norm_after_wait_equals_torch_ddp(late):
-    def body(rank, group, wrapper):
-        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper) if late else group, _adamw,
-                                    bucket_cap_mb=1e-7)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(3):
-            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
-            getattr(opt, "wait", lambda: None)()  # every bucket lands; none is stepped yet
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-        return _params(model, opt)
+@pytest.mark.parametrize("how", ["wait, landing late", "wait, landing as it can",
+                                 "find_unused_parameters, no wait"])
+def test_clipping_by_the_global_norm_after_wait_equals_torch_ddp(how):
+    # After opt.wait() every bucket has landed and none is stepped yet. With
+    # find_unused_parameters (or static_graph, a comm hook) buckets never land after backward,
+    # so clipping between backward and step() needs no wait, on every rank alike.
+    def clip(ddp, opt, i, batch):
+        if how.startswith("wait"):
+            getattr(opt, "wait", lambda: None)()
+        torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), 0.5)
 
-    _assert_equal_sides(body)
-
-
-def test_clipping_where_every_bucket_lands_as_backward_ends_needs_no_wait():
-    # With find_unused_parameters (or static_graph, a comm hook) buckets never land after
-    # backward: clipping between backward and step() is the plain optimizer's, on every rank.
-    def body(rank, group, wrapper):
-        model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper), _adamw, bucket_cap_mb=1e-7,
-                                    find_unused_parameters=True)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(3):
-            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-            opt.step()
-            opt.zero_grad()
-        return _params(model, opt)
-
-    _assert_equal_sides(body)
+    _equal_sides_between(clip, late=how != "wait, landing as it can",
+                         find_unused_parameters=how.startswith("find_unused"))
 
 
 def test_a_grad_scaler_after_wait_skips_a_step_with_an_inf_anywhere_as_torch_ddp():
