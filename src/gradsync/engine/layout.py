@@ -66,9 +66,8 @@ def priority_tail(
             head.insert(0, bucket)
             budget = 0
             continue
-        # A parameter joins the tail while that brings it nearer `tail_bytes`: a large one
-        # beyond it stays in the head, sent as it is ready in backward (held with the tail,
-        # an 8 MiB layer behind a 4 MiB tail waited for the end of backward, idling the link).
+        # A parameter joins while that brings the tail nearer `tail_bytes`: a large one beyond
+        # stays in the head, sent as it is ready (held, it idled the link through backward).
         cut = len(bucket)
         while cut > 0 and nbytes[bucket[cut - 1]] < 2 * budget:
             cut -= 1
