@@ -162,7 +162,7 @@ class OverlappedOptimizer(Optimizer):
         Between a synchronised backward and its `step()` every bucket lands first and its
         averages are cleared, as the plain optimizer clears them (a skipped step)."""
         if self._before_step():  # dropped: what their gradients held no longer matters
-            self._landed, self._dropping = [], True
+            self._dropping = True  # `wait` lands every bucket, and its checks are skipped
             try:
                 self.wait()
             finally:
