@@ -238,3 +238,21 @@ def test_the_device_report_has_a_row_per_model_and_extra_columns():
     assert summary_json(data)["pairs"]["gradsync / torch DDP"]["ratio"] == pytest.approx(1.1)
     # no extra columns unless asked
     assert "| x |" not in markdown_table(c, "torch DDP", None, "ms")
+
+
+def test_each_overlap_variant_is_compared_with_plain_gradsync_in_the_same_round():
+    from gradsync.tools.bench import Comparison
+    from gradsync.tools.benchsuite import _against_plain_lines, against_plain
+
+    result = Comparison(["torch DDP", "gradsync", "gradsync overlap", "gradsync overlap 75%"])
+    for shared in (1.0, 2.0, 3.0):  # each round's noise scales every variant alike
+        for v, step in zip(result.variants, (1.0, 1.0, 0.9, 1.1)):
+            result.add(v, shared * step)
+    ratios = against_plain(result)
+    assert set(ratios) == {"gradsync overlap", "gradsync overlap 75%"}
+    assert ratios["gradsync overlap"] == pytest.approx((0.9, 0.9, 0.9))
+    assert "gradsync overlap 75% 1.100 (1.100–1.100)" in _against_plain_lines(result)[0]
+    without = Comparison(["torch DDP", "gradsync overlap"])
+    without.add("torch DDP", 1.0)
+    without.add("gradsync overlap", 1.0)
+    assert against_plain(without) == {} and _against_plain_lines(without) == []

@@ -284,7 +284,7 @@ def test_the_extraction_finds_the_messages_it_should():
         # a warning, a concatenation with a local variable
         "gradsync.DistributedDataParallel needs a process group: call",
         "expected a list of one device, e.g. [local_rank], or None",
-        "were changed after backward while buckets were still landing",
+        "were written in place through a view taken before backward ended",
         "Possible causes and fixes: 1. The parameter is used outside the module's forward",
         "did not require grad when the wrapper was built",
         "; gradsync logging stays off",

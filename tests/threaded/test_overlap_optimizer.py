@@ -338,44 +338,43 @@ def test_a_second_step_after_one_backward_steps_the_same_gradients_again_as_torc
         assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
-def test_clipping_after_backward_is_refused_at_step():
-    def body(rank, group):
-        model, ddp, opt = _overlapped_mlp(group)
-        ddp(torch.randn(4, 8)).sum().backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-        opt.step()
-
-    _refused(body, r"gradients of .* were changed after backward.*opt.wait\(\) after backward")
-
-
-def test_a_grad_scaler_without_wait_is_refused_at_its_step():
-    def body(rank, group):
-        model, ddp, opt = _overlapped_mlp(group)
-        scaler = torch.amp.GradScaler("cpu")
-        scaler.scale(ddp(torch.randn(4, 8)).sum()).backward()
-        scaler.step(opt)
-
-    _refused(body, r"GradScaler unscales every gradient.*opt.wait\(\) after backward")
-
-
-@pytest.mark.parametrize("how", ["wait, landing late", "wait, landing as it can",
-                                 "find_unused_parameters, no wait"])
-def test_clipping_by_the_global_norm_after_wait_equals_torch_ddp(how):
-    # After opt.wait() every bucket has landed and none is stepped yet. With
-    # find_unused_parameters (or static_graph, a comm hook) buckets never land after backward,
-    # so clipping between backward and step() needs no wait, on every rank alike.
+@pytest.mark.parametrize("how", ["landing late", "landing as it can", "wait, landing late",
+                                 "find_unused_parameters"])
+def test_clipping_by_the_global_norm_equals_torch_ddp(how):
+    # The norm reads every gradient: each bucket still landing lands first (`_LandsOnRead`),
+    # with or without opt.wait(), so the norm is the averages' and step() steps the clipped
+    # gradients. With find_unused_parameters (or static_graph, a comm hook) buckets never
+    # land after backward.
     def clip(ddp, opt, i, batch):
         if how.startswith("wait"):
             getattr(opt, "wait", lambda: None)()
         torch.nn.utils.clip_grad_norm_(ddp.module.parameters(), 0.5)
 
-    _equal_sides_between(clip, late=how != "wait, landing as it can",
-                         find_unused_parameters=how.startswith("find_unused"))
+    _equal_sides_between(clip, late=how != "landing as it can",
+                         find_unused_parameters=how == "find_unused_parameters")
 
 
-def test_a_grad_scaler_after_wait_skips_a_step_with_an_inf_anywhere_as_torch_ddp():
+@pytest.mark.parametrize("how", ["a gradient scaled in place", "a gradient replaced",
+                                 "a gradient set to None"])
+def test_a_gradient_changed_between_backward_and_step_is_stepped_from_as_torch(how):
+    # One gradient of a bucket still landing: changed in place (its bucket lands first), or
+    # replaced without reading it (stepped by step() from the replacement, its bucket's
+    # average landing beside it), on every rank alike, landed or not.
+    def change(ddp, opt, i, batch):
+        weight = ddp.module.net[2].weight
+        if how == "a gradient scaled in place":
+            weight.grad.mul_(0.25)
+        else:
+            weight.grad = None if how.endswith("None") else torch.full_like(weight, 0.01 * i)
+
+    _equal_sides_between(change)
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["without wait", "after wait"])
+def test_a_grad_scaler_skips_a_step_with_an_inf_anywhere_as_torch_ddp(wait):
     # Rank 0's second loss is infinite: its average is too, on both ranks, so GradScaler
-    # skips that step everywhere and lowers its scale, as with torch's DDP.
+    # skips that step everywhere and lowers its scale, as with torch's DDP. Its unscaling
+    # reads every gradient, so every bucket lands first, wait() or not.
     def body(rank, group, wrapper):
         model, ddp, opt = _mlp_side(wrapper, _late(group, wrapper), _adamw, bucket_cap_mb=1e-7)
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
@@ -385,7 +384,8 @@ def test_a_grad_scaler_after_wait_skips_a_step_with_an_inf_anywhere_as_torch_ddp
             if i == 1 and rank == 0:
                 loss = loss * float("inf")
             scaler.scale(loss).backward()
-            getattr(opt, "wait", lambda: None)()
+            if wait:
+                getattr(opt, "wait", lambda: None)()
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
@@ -394,30 +394,27 @@ def test_a_grad_scaler_after_wait_skips_a_step_with_an_inf_anywhere_as_torch_ddp
     _assert_equal_sides(body)
 
 
-@pytest.mark.parametrize("refused", ["grad_scaler", "clipping"])
-def test_a_refusal_at_step_comes_before_any_parameter_moved(refused):
-    # Buckets landed before step() are stepped by it, after its checks: a GradScaler or a
-    # clipping without opt.wait() steps nothing, on every rank, landed or not.
+def test_a_gradient_written_around_torch_is_refused_at_step_before_any_parameter_moved():
+    # Through a view taken before backward ended, out of torch's function dispatch, while
+    # the bucket is still landing: its average would land over the write, so step() refuses
+    # before it steps anything (buckets landed before step() are stepped by it).
     def body(rank, group):
         model = seeded(_layers, 0)
-        ddp = GradsyncDDP(model, process_group=(_Held if rank == 0 else _Reduced)(group),
-                          bucket_cap_mb=1e-7)
+        ddp = GradsyncDDP(model, process_group=_Held(group), bucket_cap_mb=1e-7)
         opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
         ddp(torch.randn(4, 8)).sum().backward()
         opt.step()
-        opt.zero_grad()
-        scaler = torch.amp.GradScaler("cpu")
-        loss = ddp(torch.randn(4, 8)).sum()  # the first step's buckets land, stepped
+        opt.zero_grad(set_to_none=False)
+        opt.wait()
+        kept = model[1].weight.grad.view(-1)  # the next backward accumulates into its tensor
+        loss = ddp(torch.randn(4, 8)).sum()
         before = [p.detach().clone() for p in model.parameters()]
         steps, plain_step = [], opt.optimizer.step
         opt.optimizer.step = lambda *a, **k: steps.append(1) or plain_step(*a, **k)
-        (scaler.scale(loss) if refused == "grad_scaler" else loss).backward()
-        with pytest.raises(RuntimeError, match=r"opt.wait\(\) after backward and before"):
-            if refused == "grad_scaler":
-                scaler.step(opt)
-            else:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-                opt.step()
+        loss.backward()
+        kept.mul_(0.5)
+        with pytest.raises(RuntimeError, match=r"1.weight were written in place through a view"):
+            opt.step()
         ddp.reducer.abandon_iteration()  # no held all-reduce left for the exit to wait on
         return steps, all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
@@ -617,7 +614,8 @@ def test_gradients_set_between_step_and_the_next_forward_are_kept_as_torch_ddp_k
         between, as_view):
     # What the user does to .grad after step() is done after the buckets still landing are
     # stepped, in the order done. A gradient assigned there (`p.grad = ...`) was once written
-    # into by the landing bucket and then cleared by the zero_grad that came before it.
+    # into by the landing bucket and then cleared by the zero_grad that came before it. The
+    # module's zero_grad(set_to_none=False) zeroes `.grad` in place: its bucket lands first.
     def body(rank, group, wrapper):
         model, ddp, opt = _mlp_side(
             wrapper, group, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -635,14 +633,31 @@ def test_gradients_set_between_step_and_the_next_forward_are_kept_as_torch_ddp_k
         return ([p.detach().clone() for p in model.parameters()],
                 [None if p.grad is None else p.grad.clone() for p in model.parameters()])
 
-    if as_view and "module zero_grad keep" in between:  # into the bucket, still reducing
-        with pytest.raises(RankError, match=r"changed in place after step\(\) while their"):
-            run_threaded(body, 2, GradsyncDDP, timeout=60)
-        return
     for (params, grads), (want_params, want_grads) in _side_by_side(body):
         assert all(torch.equal(a, b) for a, b in zip(params, want_params))
         assert all((a is None and b is None) or torch.equal(a, b)
                    for a, b in zip(grads, want_grads))
+
+
+def test_a_bucket_view_written_while_it_reduces_is_refused_where_it_lands():
+    # gradient_as_bucket_view: `.grad` is the bucket. Written after step() through a view
+    # taken before backward ended, while the bucket still reduces: refused as it lands.
+    def body(rank, group):
+        model = seeded(_layers, 0)
+        ddp = GradsyncDDP(model, process_group=_Held(group), bucket_cap_mb=1e-7,
+                          gradient_as_bucket_view=True)
+        opt = ddp.overlap_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        for _ in range(2):  # the buckets rebuilt in ready order after the first
+            ddp(torch.randn(4, 8)).sum().backward()
+            opt.step()
+            opt.wait()
+        kept = model[1].weight.grad.view(-1)
+        ddp(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        kept.zero_()
+        opt.wait()
+
+    _refused(body, r"1.weight, 1.bias.* were changed in place after step\(\) through a view")
 
 
 def test_the_tail_is_sent_nearest_the_input_first_in_chunks():

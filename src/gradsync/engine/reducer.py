@@ -130,8 +130,8 @@ class Reducer:
         self.on_use: LandOnUse | None = None  # lands buckets as the forward uses them
         self.on_use_ended: Callable[[], None] | None = None  # called as each `on_use` exits
         # Called wherever buckets still landing would land, on every rank alike, landing or
-        # not on this one: True where every bucket lands (`land`), False in a forward.
-        self.before_landing: Callable[[bool], None] | None = None
+        # not on this one.
+        self.before_landing: Callable[[], None] | None = None
         # Held for the unused search to ask the engine about (else it walks the graph); not
         # with parameters cast each forward (`bucket_dtype`), whose accumulators are new each time.
         held = self._settings.find_unused and config.bucket_dtype is None
@@ -334,7 +334,7 @@ class Reducer:
         belong to a new graph, not late arrivals for the last reduced iteration. Not through
         the wrapper, nothing may still be landing under it."""
         if self.before_landing is not None:
-            self.before_landing(False)
+            self.before_landing()
         if self.phase is Phase.LANDING and self.on_use is None:
             self.land()  # and so reduced
         if self.phase is Phase.REDUCED:
@@ -537,7 +537,7 @@ class Reducer:
         written back and stepped: called where their parameters are needed (a module's
         forward, the next backward, a checkpoint, `OverlappedOptimizer.wait`)."""
         if self.before_landing is not None:
-            self.before_landing(buckets is None)
+            self.before_landing()
         if self.phase is Phase.LANDING:
             self._land(self._it, buckets, landed_only=False)
 
@@ -546,7 +546,7 @@ class Reducer:
         mode that lands each when one of its parameters is first used (`LandOnUse`), so that
         forward waits for each bucket where it needs it and for nothing else."""
         if self.before_landing is not None:
-            self.before_landing(False)
+            self.before_landing()
         if self.phase is not Phase.LANDING:
             return contextlib.nullcontext()
         return LandOnUse(self, self._reductions.pending())

@@ -330,6 +330,7 @@ def report(model_name: str, data: dict, rounds: int, repeat: int) -> str:
         _floor_line(result, _floor_ms(data)),
         *_cpu_floor_lines(data),
         *_cpu_use_lines(data),
+        *_against_plain_lines(result),
         "same parameters as torch DDP (max |diff|): "
         + ", ".join(f"{k} {v:.1e}" for k, v in data["same"].items()),
         *(f"{k[len('plan of '):]}: {v}" for k, v in data["plans"].items()),
@@ -411,6 +412,23 @@ def _cpu_use_lines(data: dict) -> list[str]:
         "work whoever it is charged to): "
         + ", ".join(f"{v} {ms:.1f} ms" for v, ms in machine.items())
     ] if (machine := machine_cpu(data)) else [])
+
+
+def against_plain(result: Comparison) -> dict[str, tuple[float, float, float]]:
+    """Each overlap variant's step over plain gradsync's in the same round (paired median,
+    95 % interval): the loopback goal is never slower than gradsync without the overlap."""
+    if "gradsync" not in result.variants:
+        return {}
+    return {v: (result.paired_ratio(v, "gradsync"), *result.ratio_interval(v, "gradsync"))
+            for v in result.variants if v.startswith("gradsync overlap")}
+
+
+def _against_plain_lines(result: Comparison) -> list[str]:
+    ratios = against_plain(result)
+    return [
+        "step over plain gradsync's in the same round (paired median, 95 % interval): "
+        + ", ".join(f"{v} {r:.3f} ({lo:.3f}–{hi:.3f})" for v, (r, lo, hi) in ratios.items())
+    ] if ratios else []
 
 
 def _floor_line(
@@ -644,6 +662,9 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "cpu_ms_per_step": {v: ms for v, (ms, _) in cpu_use(d).items()},
             "cpu_share_of_step": {v: share for v, (_, share) in cpu_use(d).items()},
             "machine_cpu_ms_per_step": machine_cpu(d),
+            "ratio_to_gradsync": against_plain(d["result"]),
+            "samples_ms": {v: [x * 1e3 for x in d["result"].samples[v]]
+                           for v in d["result"].variants},
         }
         for m, d in results.items()
     }

@@ -15,21 +15,19 @@ a time.
 The loop stays `loss.backward(); opt.step(); opt.zero_grad()`; `step()` returns at once. A
 bucket landed before `step()` is stepped by it, as the plain optimizer would step it, so what
 comes between backward and `step()` is torch's: more synchronised backwards accumulate,
-`zero_grad` drops the gradients, a parameter written is stepped from the write. What differs,
-and is refused rather than silently wrong:
+`zero_grad` drops the gradients, a parameter or gradient written is stepped from the write.
+Until a bucket lands, its parameters' `.grad` is an alias that lands it when a torch function
+is first given it (`_LandsOnRead`): clipping, GradScaler and a logged norm read averages, in
+a trainer's loop too. What differs, and is refused rather than silently wrong:
 
-- Between backward and the next forward buckets may still be landing, their `.grad` this
-  rank's own until the average lands. What reads or changes every gradient before `step()`
-  (`clip_grad_norm_`, `torch.amp.GradScaler`) calls `opt.wait()` first; without it, `step()`
-  refuses a changed gradient, and GradScaler's step its scale (`_step_supports_amp_scaling`),
-  on every rank alike, before any parameter has moved. After `step()`, read parameters and
-  gradients after `opt.wait()` (an EMA, a logged norm); with `GRADSYNC_DEBUG=DETAIL`, a torch
-  function given a parameter still landing, or its gradient (not yet averaged), raises,
-  naming it (`_ReadGuard`); a read through memory taken earlier (a view or `.data` kept from
-  before, `.data_ptr()`, numpy) is not seen. A parameter written after `step()` without
-  `opt.wait()` is refused where a bucket could land next. Gradients cleared or zeroed after
-  `step()` (`zero_grad`, the module's too) are cleared or zeroed again once the bucket still
-  landing has been stepped.
+- Between `step()` and the next forward buckets may still be landing: read parameters after
+  `opt.wait()` (an EMA); with `GRADSYNC_DEBUG=DETAIL`, a torch function given a parameter
+  still landing raises, naming it (`_ReadGuard`); a read through memory taken earlier (a
+  view or `.data` kept from before, `.data_ptr()`, numpy) is not seen. A parameter written
+  after `step()` without `opt.wait()` is refused where a bucket could land next, and a
+  gradient written through a view kept from before backward ended where its bucket lands
+  or at `step()`. Gradients cleared after `step()` (`zero_grad`, the module's too) are
+  cleared again once the bucket still landing has been stepped.
 - The wrapper's `state_dict()`, `no_sync()`, `join()`, a forward that will not synchronise
   (eval, no grad) and the next backward land everything first.
 - A bucket holding a parameter this optimizer does not step lands as backward ends, as
@@ -40,6 +38,7 @@ and is refused rather than silently wrong:
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -50,7 +49,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
-from ..engine.reducer import Phase, Reducer, arguments_among
+from ..engine.reducer import Reducer, arguments_among
 from ..observability.log import detail_enabled
 from .module_guards import LocalRef
 
@@ -91,12 +90,11 @@ class OverlappedOptimizer(Optimizer):
             weakref.WeakKeyDictionary())
         self._iteration: int | None = None  # the reducer's last synchronised iteration
         self._acknowledged: int | None = None  # the iteration `step()` was last called after
-        # Landed before `step()`, which steps them, while others may still be landing (their
-        # gradients must not change until it: `_check_landed`).
-        self._landed: list[_Held] = []
-        self._pending: dict[int, list[_Held]] = {}  # buckets landing after backward
+        # Buckets landing after backward: their gradients as backward left them, each `.grad`
+        # a `_LandsOnRead` until the bucket lands.
+        self._pending: dict[int, list[_Held]] = {}
         self._dropping = False  # zero_grad() before `step()`: landing them to clear them
-        self._settled = False  # every bucket landed where the program asked, before `step()`
+        self._early: set[int] = set()  # of those, stepped by `step()` (their `.grad` replaced)
         # .grad as the user left it since step(), put back once the bucket is stepped
         self._resets: dict[int, list[tuple[torch.Tensor, torch.Tensor | None]]] = {}
         self._zero_after: dict[int, bool] = {}  # zero_grad(set_to_none) for buckets landing
@@ -127,15 +125,6 @@ class OverlappedOptimizer(Optimizer):
         weakref.finalize(self, _detach, reducer, finished, hooks)
 
     # ------------------------------------------------------------------ the optimizer's face
-
-    @property
-    def _step_supports_amp_scaling(self) -> bool:  # type: ignore[override]
-        """Asked by `torch.amp.GradScaler` at its step. While buckets may be landing (no
-        `wait()` since backward) it then hands `step()` its scale and inf flag instead of
-        unscaling and checking gradients not all averaged yet, and `step()` refuses them by
-        name; once every bucket has landed, it unscales, checks and steps as with the plain
-        optimizer. Alike on every rank, whichever buckets have landed on it."""
-        return bool(self._landed or self._pending)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
@@ -173,7 +162,7 @@ class OverlappedOptimizer(Optimizer):
         # `.grad` is put back as left: None, or what a backward since accumulated (a loss over
         # the parameters alone).
         landing = set() if set_to_none else {
-            id(p) for held in self._pending.values() for p, g, _ in held if p.grad is g}
+            id(p) for held in self._pending.values() for p, g, _ in held if _grad(p) is g}
         if not set_to_none:
             self._zero_after.update((index, False) for index in self._pending)
         with self._own:
@@ -211,9 +200,6 @@ class OverlappedOptimizer(Optimizer):
         return loss
 
     def _step(self) -> None:
-        if getattr(self, "grad_scale", None) is not None or getattr(self, "found_inf", None) \
-                is not None:
-            raise RuntimeError(_GRAD_SCALER)
         if self._iteration is not None and self._iteration == self._acknowledged:
             # A second step() after one backward: torch's optimizer steps the same gradients
             # again, every parameter, so every bucket lands first and then the whole of it.
@@ -222,13 +208,17 @@ class OverlappedOptimizer(Optimizer):
                 self.optimizer.step()
             return
         self._check_landed()
-        landing = {id(p) for held in self._pending.values() for p, _, _ in held}
+        # A `.grad` replaced since backward (None, a tensor of the user's) is stepped now, as
+        # the plain optimizer steps it; its bucket's average lands into backward's tensor.
+        self._early = {id(p) for held in self._pending.values() for p, g, _ in held
+                       if _grad(p) is not g}
+        landing = {id(p) for held in self._pending.values() for p, _, _ in held} - self._early
         self._with_groups([[p for p in g["params"] if id(p) not in landing]
                            for g in self.optimizer.param_groups], self.optimizer.step)
         self._settings = [{k: v for k, v in g.items() if k != "params"}
                           for g in self.optimizer.param_groups]
         reducer = self._reducer()
-        self._acknowledged, self._landed = (reducer.iteration if reducer else None), []
+        self._acknowledged = reducer.iteration if reducer else None
         with torch._C.DisableTorchFunction():  # `_version` of a parameter is a torch function
             self._untouched = [(p, p._version) for p in self._bucketed]
         self._guard_reads()
@@ -238,23 +228,19 @@ class OverlappedOptimizer(Optimizer):
         return self._iteration is not None and self._iteration != self._acknowledged
 
     def _check_landed(self) -> None:
-        """Before `step()`: no gradient of a bucket changed since backward while buckets were
-        landing, on every rank alike, whichever buckets have landed on it: the averages of
-        those still landing would overwrite the change, and a norm taken then (clipping,
-        GradScaler's inf check) mixes averaged gradients with local ones."""
-        self._check_unchanged(self._landed + [h for held in self._pending.values() for h in held])
+        """Before `step()`: no gradient of a bucket still landing was written since backward
+        through a view taken before (`.data` or numpy would not show): its average would land
+        over the write. A torch function given one lands its bucket
+        first (`_LandsOnRead`), and a `.grad` replaced is stepped from (`_early`): `step()`
+        steps what the gradients then hold, as the plain optimizer would."""
+        self._check_unchanged([h for held in self._pending.values() for h in held])
 
-    def _before_landing(self, everything: bool) -> None:
+    def _before_landing(self) -> None:
         """Where buckets could land (`Reducer.before_landing`), on every rank alike: the checks
-        of what was written since backward or `step()`. Before `step()`, once `everything`
-        lands there, the gradients are the user's: a change since is `step()`'s to step."""
+        of what was written since backward or `step()`."""
         self._check_untouched()
-        if not self._before_step():
-            return
-        if not self._dropping:
+        if self._before_step() and not self._dropping:
             self._check_landed()
-        if everything:
-            self._landed, self._settled = [], True
 
     def _check_untouched(self) -> None:
         """Where buckets still landing would land first, on every rank alike: no parameter of
@@ -271,10 +257,9 @@ class OverlappedOptimizer(Optimizer):
 
     def wait(self) -> None:
         """Land every bucket still landing, and step it after `step()`: call before reading
-        parameters or gradients between `step()` and the next forward (the next forward does
-        it itself), or between backward and `step()` before changing gradients (clipping by
-        the global norm, `GradScaler`): `step()` then steps what they hold, as the plain
-        optimizer would."""
+        parameters between `step()` and the next forward (the next forward does it itself),
+        or gradients through memory taken before backward ended (`.grad` itself lands its
+        bucket when read)."""
         reducer = self._reducer()
         if reducer is not None:
             with self._own:
@@ -287,22 +272,37 @@ class OverlappedOptimizer(Optimizer):
         self._pending = {b.index: [(p, p.grad, _version(p.grad)) for p in self._held(b)]
                          for b in pending}
         self._resets, self._zero_after = {}, {}
+        for index, held in self._pending.items():
+            for p, g, _ in held:
+                if g is not None and g.layout is torch.strided:
+                    p.grad = _LandsOnRead.of(g, self, index)
+
+    def _land_read(self, indices: list[int]) -> None:
+        """A torch function was given the gradients of buckets `indices` still landing: land
+        them (and step them, after `step()`), so it reads their averages."""
+        reducer = self._reducer()
+        if reducer is not None:
+            with self._own:
+                reducer.land(indices)
 
     def _landing(self, bucket: Bucket) -> None:
-        """Before the bucket's write-back, after `step()`: a gradient changed since backward
-        is a reset (for the next backward), put back once the bucket is stepped."""
+        """Before the bucket's write-back: a `.grad` replaced since backward (before `step()`,
+        to be stepped from; after it, a reset for the next backward) is put back once the
+        average has landed in backward's tensor (and been stepped, after `step()`)."""
         held = self._pending.pop(bucket.index, None)
         if not held:
             return
+        _unwrap(held)
         reducer = self._reducer()
-        if reducer is None or self._acknowledged != reducer.iteration:
-            return  # for `step()`: checked where it could land, on every rank (`_check_landed`)
+        after_step = reducer is not None and self._acknowledged == reducer.iteration
         changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
-        if self._as_view and (into := [(p, g) for p, g, v in held if _version(g) != v]):
+        if after_step and self._as_view and (
+                into := [(p, g) for p, g, v in held if _version(g) != v]):
             raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(into)))
         # Cleared (None), or a tensor of the user's: the averages go into backward's tensor
-        # and are stepped, then .grad is put back. Backward's tensor changed in place (zeroed,
-        # `model.zero_grad(set_to_none=False)`): zeroed again once stepped (`_ZEROED`).
+        # (stepped from after `step()`), then .grad is put back. Backward's tensor changed in
+        # place (`model.zero_grad(set_to_none=False)` through memory taken before, or as
+        # zero_grad() drops them): zeroed again once stepped (`_ZEROED`).
         resets = []
         for p, g in changed:
             resets.append((p, _ZEROED if p.grad is g else p.grad))
@@ -317,12 +317,10 @@ class OverlappedOptimizer(Optimizer):
         number = reducer.iteration if reducer is not None else None
         self._begin(number)
         subsets = self._subsets_of(bucket)
-        if self._acknowledged != number:
-            if reducer is not None and reducer.phase is Phase.LANDING and not self._settled:
-                self._landed += [(p, p.grad, _version(p.grad))
-                                 for group in subsets for p in group if p.grad is not None]
-            return
-        self._with_groups(subsets, self.optimizer.step, self._settings)
+        if self._acknowledged == number:
+            early = self._early
+            self._with_groups([[p for p in subset if id(p) not in early] for subset in subsets]
+                              if early else subsets, self.optimizer.step, self._settings)
         resets = self._resets.pop(bucket.index, [])
         for param, grad in resets:
             if grad is _ZEROED:
@@ -345,8 +343,10 @@ class OverlappedOptimizer(Optimizer):
         `.grad`, accumulated into, as with torch's DDP."""
         if number == self._iteration:
             return
-        self._iteration, self._landed, self._settled = number, [], False
+        self._iteration, self._early = number, set()
         # what an iteration dropped before all its buckets landed (an error) left behind
+        for held in self._pending.values():
+            _unwrap(held)
         self._pending, self._resets, self._zero_after = {}, {}, {}
         if self._guard is not None:  # its buckets' indices mean other buckets after a rebuild
             self._guard.disarm()
@@ -388,7 +388,7 @@ class OverlappedOptimizer(Optimizer):
     def _check_unchanged(self, held: list[_Held]) -> None:
         # `.grad` is a torch function: inside a forward, `LandOnUse` would land the bucket
         with torch._C.DisableTorchFunction():
-            changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
+            changed = [(p, g) for p, g, v in held if _grad(p) is g and _version(g) != v]
         if changed:
             raise RuntimeError(_CHANGED.format(names=self._named(changed)))
 
@@ -429,7 +429,8 @@ class OverlappedOptimizer(Optimizer):
         on top. Not inside backward (the engine puts the stack back as it was, the pop too) nor
         inside the forward's `LandOnUse` (above it; its exit calls this again)."""
         guard = self._guard
-        if guard is None or guard.watching() or torch._C._current_graph_task_id() != -1:
+        if guard is None or guard.watching() or torch._C._current_graph_task_id() != -1 \
+                or self._own.depth:  # a landing of ours: maybe inside a mode, popped for it
             return
         reducer = self._reducer()
         if reducer is not None and reducer.on_use is not None:
@@ -592,6 +593,55 @@ def _version(grad: torch.Tensor | None) -> int:
     return -1 if grad is None else grad._version
 
 
+class _LandsOnRead(torch.Tensor):
+    """`.grad` of a parameter from the end of backward until its bucket lands: an alias of
+    the gradient (its memory and version counter) that lands the bucket when a torch function
+    is first given it, and only then runs the function. So what reads or changes gradients
+    after backward sees their averages, as with the plain optimizer and on every thread, no
+    mode on the stack: `clip_grad_norm_` (a trainer's too), GradScaler's unscaling and inf
+    check, a logged norm. Each bucket read lands early, where its gradients are read."""
+
+    _landing: tuple[weakref.ref[OverlappedOptimizer], int | None, int]
+    _gradient: torch.Tensor  # what backward left in `.grad`, where the average lands
+
+    @staticmethod
+    def of(grad: torch.Tensor, optimizer: OverlappedOptimizer, bucket: int) -> _LandsOnRead:
+        alias = grad.as_subclass(_LandsOnRead)
+        alias._landing = (weakref.ref(optimizer), optimizer._iteration, bucket)
+        alias._gradient = grad
+        return alias
+
+    @classmethod
+    def __torch_function__(cls, func: Callable, types: object, args: tuple = (),
+                           kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        wanted: dict[int, tuple[OverlappedOptimizer, set[int]]] = {}
+        for arg in itertools.chain(args, kwargs.values()):
+            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if type(item) is cls:
+                    ref, iteration, bucket = item._landing
+                    if (opt := ref()) is not None and opt._iteration == iteration \
+                            and bucket in opt._pending:
+                        wanted.setdefault(id(opt), (opt, set()))[1].add(bucket)
+        for opt, buckets in wanted.values():
+            opt._land_read(sorted(buckets))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _grad(param: torch.Tensor) -> torch.Tensor | None:
+    """`param.grad`, the gradient itself where it is still a `_LandsOnRead`."""
+    grad = param.grad
+    return grad._gradient if type(grad) is _LandsOnRead else grad
+
+
+def _unwrap(held: list[_Held]) -> None:
+    """`.grad` back to the gradient itself where it is still a `_LandsOnRead` of it."""
+    for p, g, _ in held:
+        if type(p.grad) is _LandsOnRead and p.grad._gradient is g:
+            p.grad = g
+
+
 class _Stepper:
     """What the Reducer holds (`engine.reductions.BucketStepper`): the optimizer, weakly."""
 
@@ -623,9 +673,9 @@ class _Stepper:
         optimizer = self._optimizer()
         return optimizer is None or optimizer._steps_whole(bucket)
 
-    def before_landing(self, everything: bool) -> None:
+    def before_landing(self) -> None:
         if (optimizer := self._optimizer()) is not None:
-            optimizer._before_landing(everything)
+            optimizer._before_landing()
 
     def release_guard(self) -> None:
         """Every bucket landed, or a forward's `LandOnUse` exited: the read guard may go."""
@@ -741,19 +791,11 @@ def _check_steps_per_parameter(optimizer: object) -> None:
 
 
 _CHANGED = (
-    "OverlappedOptimizer: the gradients of {names} were changed after backward while buckets "
-    "were still landing: the averages landing would overwrite the change, and what reads "
-    "every gradient then (a global norm, GradScaler's inf check) mixes averaged gradients "
-    "with local ones. Call opt.wait() after backward and before changing gradients "
-    "(torch.nn.utils.clip_grad_norm_, GradScaler.step or unscale_): every bucket lands first "
-    "and step() steps what the gradients then hold, as the plain optimizer would."
-)
-_GRAD_SCALER = (
-    "OverlappedOptimizer: torch.amp.GradScaler unscales every gradient and checks them all for "
-    "inf before the step, but buckets were still landing: their gradients are not averaged "
-    "yet, and a step with an inf anywhere must step none. Call opt.wait() after backward and "
-    "before scaler.step(opt) (or scaler.unscale_(opt)): every bucket lands first and the "
-    "scaler then works as with the plain optimizer. Training in bfloat16 needs no scaler."
+    "OverlappedOptimizer: the gradients of {names} were written in place through a view taken "
+    "before backward ended, while their bucket was still landing: its average lands over the "
+    "write. Change gradients through .grad (p.grad.mul_, clip_grad_norm_, GradScaler), which "
+    "lands the bucket first, or call opt.wait() after backward and before writing: step() "
+    "then steps what the gradients hold, as the plain optimizer would."
 )
 _PARAMETER_CHANGED = (
     "OverlappedOptimizer: the parameters {names} were written in place after step() while "
@@ -763,10 +805,10 @@ _PARAMETER_CHANGED = (
     "checkpoint load through the wrapper waits by itself)."
 )
 _CHANGED_IN_FLIGHT = (
-    "OverlappedOptimizer: the gradients of {names} were changed in place after step() while "
-    "their bucket was still reducing into them (gradient_as_bucket_view: .grad is the bucket): "
-    "the reduction would be corrupted. Clear them with opt.zero_grad() (which waits for the "
-    "bucket), or model.zero_grad(set_to_none=True)."
+    "OverlappedOptimizer: the gradients of {names} were changed in place after step() through "
+    "a view taken before backward ended, while their bucket was still reducing into them "
+    "(gradient_as_bucket_view: .grad is the bucket): the reduction would be corrupted. Change "
+    "them through .grad (its bucket lands first), or call opt.wait() before writing."
 )
 _READ_PENDING = (
     "OverlappedOptimizer (GRADSYNC_DEBUG=DETAIL): {function} was given {what}, still being "

@@ -1,7 +1,8 @@
 """Accelerate's own loop under torchrun (2 CPU ranks, gloo): `accelerator.accumulate` with
 clipping, and `no_sync` followed by `trigger_sync_in_backward` (which calls
 `model.reducer.prepare_for_backward([])` itself); and gradsync's overlapped optimizer prepared
-by Accelerate with an LR scheduler, against the plain optimizer under torch's DDP."""
+by Accelerate with an LR scheduler and clipping, against the plain optimizer under torch's
+DDP."""
 
 from __future__ import annotations
 
@@ -63,6 +64,8 @@ def overlap(out_dir: str, impl: str) -> None:
         with accelerator.accumulate(model):
             loss = model(batch["x"], batch["labels"])["loss"]
             accelerator.backward(loss)
+            if accelerator.sync_gradients:  # reads every gradient: each bucket lands first
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad()

@@ -2,7 +2,7 @@
 accumulate_grad_batches and clipping, manual optimisation (Lightning prepares the reducer itself),
 static_graph (manual: Lightning calls reducer._delay_all_reduce()), a communication hook, and
 gradsync's overlapped optimizer from configure_optimizers (automatic: Lightning passes
-`step` a closure)."""
+`step` a closure; with clipping)."""
 
 from __future__ import annotations
 
@@ -79,7 +79,8 @@ if __name__ == "__main__":
                 o, i, "automatic", accumulate_grad_batches=2, gradient_clip_val=0.5
             ),
             "manual": lambda o, i: fit(o, i, "manual", manual=True),
-            "overlap": lambda o, i: fit(o, i, "overlap", overlap=True, accumulate_grad_batches=2),
+            "overlap": lambda o, i: fit(o, i, "overlap", overlap=True, accumulate_grad_batches=2,
+                                        gradient_clip_val=0.5),
             "overlap_manual": lambda o, i: fit(o, i, "overlap_manual", manual=True, overlap=True),
             "manual_static_graph": lambda o, i: fit(
                 o, i, "manual_static_graph", manual=True, strategy=DDPStrategy(static_graph=True)
