@@ -625,8 +625,17 @@ class _LandsOnRead(torch.Tensor):
                         wanted.setdefault(id(opt), (opt, set()))[1].add(bucket)
         for opt, buckets in wanted.values():
             opt._land_read(sorted(buckets))
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return func(*_plain(args), **dict(zip(kwargs, _plain(tuple(kwargs.values())))))
+
+
+def _plain(args: tuple) -> list[Any]:
+    """`args` with each `_LandsOnRead` (inside lists and tuples too) its gradient itself: the
+    function then runs on plain tensors (a result, a repr, as without the overlap)."""
+    def plain(item: Any) -> Any:
+        return item._gradient if type(item) is _LandsOnRead else item
+
+    return [type(arg)(plain(item) for item in arg) if type(arg) in (list, tuple) else plain(arg)
+            for arg in args]
 
 
 def _grad(param: torch.Tensor) -> torch.Tensor | None:
