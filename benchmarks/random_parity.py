@@ -87,6 +87,7 @@ def _features(case: Case) -> list[str]:
         *case.tail)
     out += ["overlap_optimizer" + tail] if case.overlap else []
     out += ["every micro-step synchronised"] if case.sync_every else []
+    out += ["clipped by the global norm"] if case.clip else []
     return out
 
 

@@ -39,6 +39,7 @@ __all__ = ["Case", "run_case"]
 USES = ("always", "rank", "iter", "rank_iter", "never")
 # The same hook on both sides. torch refuses its own bf16 hook off NCCL; gradsync's runs on both.
 ADAM_LR = 0.01
+CLIP_NORM = 0.05  # below the generated models' gradient norms, so clipping scales them
 HOOKS = ("none", "torch_allreduce", "torch_fp16", "gradsync_fp16", "gradsync_bf16")
 
 
@@ -85,6 +86,10 @@ class Case:
     # accumulate in .grad, stepped once (with overlap_optimizer too). Not sharded, whose step
     # is the last synchronised backward's.
     sync_every: bool = False
+    # The gradients clipped by their global norm between backward and step(), before anything
+    # else reads them: with overlap_optimizer, without opt.wait(), so the clipping's reads land
+    # the buckets still landing. Not sharded (no .grad) nor sparse (no norm of its own).
+    clip: bool = False
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -159,8 +164,10 @@ class Case:
         # last, so the blocks' indices that the fields above name stay theirs.
         if hook in ("none", "torch_allreduce") and rng.random() < 0.25:
             case = dataclasses.replace(case, blocks=case.blocks + (Block("complex"),))
-        if case.micro_steps > 1 and not case.zero and rng.random() < 0.3:  # last of all
+        if case.micro_steps > 1 and not case.zero and rng.random() < 0.3:  # after those
             case = dataclasses.replace(case, sync_every=True)
+        if not case.zero and not sparse and rng.random() < 0.3:  # last of all
+            case = dataclasses.replace(case, clip=True)
         return case
 
     def torch_kwargs(self) -> dict[str, Any]:
@@ -384,7 +391,9 @@ def train(
                 ctx = contextlib.nullcontext()
             with ctx:
                 loss_of(case, ddp(x, rank, step), rank, step).div(len(micro)).backward()
-        if case.overlap and wrapper_cls is not TorchDDP:
+        if case.clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)
+        elif case.overlap and wrapper_cls is not TorchDDP:
             opt.wait()  # read after backward: the buckets still landing first
         grads.append({n: _copy(p.grad) for n, p in model.named_parameters()})
         opt.step()

@@ -66,3 +66,6 @@ def test_the_generator_covers_what_it_promises():
     for flag in ("find_unused", "static_graph", "as_view"):
         assert any(getattr(c, flag) for c in overlapped), flag
     assert {c.micro_steps for c in overlapped} >= {1, 2} and {c.hook for c in overlapped} > {"none"}
+    clipped = [c for c in overlapped if c.clip]
+    assert any(c.tail is not None and c.tail[2] > 0 for c in clipped)  # chunks held by a credit
+    assert any(c.micro_steps > 1 for c in clipped) and any(c.as_view for c in clipped)
