@@ -87,16 +87,19 @@ def test_a_read_of_a_parameter_still_landing_raises_naming_it():
 
 @pytest.mark.parametrize("detail", [False, True], ids=["off", "DETAIL"])
 def test_a_read_of_a_gradient_still_landing_lands_its_bucket_first(detail):
-    # `.grad` of a bucket still landing lands it when a torch function is given it: a
-    # logged norm reads the average (and the bucket is stepped, after step()), not this
-    # rank's own gradient; the other buckets go on landing.
+    # `.grad` of a bucket still landing lands it when a torch function is given it (not for
+    # its shape or dtype): a logged norm reads the average (and the bucket is stepped, after
+    # step()), not this rank's own gradient; the other buckets go on landing.
     def body(rank, group):
         model, ddp, opt = _overlapped(group, chunk_mb=1e-7)  # a chunk a tensor
         g = torch.Generator().manual_seed(rank)
         _step(ddp, opt, g)
         opt.wait()  # the buckets rebuilt in ready order
         _step(ddp, opt, g)
-        norm = model[1].weight.grad.norm()
+        grad = model[1].weight.grad
+        assert (grad.shape, grad.dtype, grad.is_sparse) == ((8, 8), torch.float32, False)
+        assert len(opt._pending) == len(ddp.reducer.buckets)  # metadata: nothing landed
+        norm = grad.norm()
         landed = sorted(set(range(len(ddp.reducer.buckets))) - set(opt._pending))
         weight = model[1].weight.detach().clone()
         opt.wait()

@@ -596,10 +596,11 @@ def _version(grad: torch.Tensor | None) -> int:
 class _LandsOnRead(torch.Tensor):
     """`.grad` of a parameter from the end of backward until its bucket lands: an alias of
     the gradient (its memory and version counter) that lands the bucket when a torch function
-    is first given it, and only then runs the function. So what reads or changes gradients
-    after backward sees their averages, as with the plain optimizer and on every thread, no
-    mode on the stack: `clip_grad_norm_` (a trainer's too), GradScaler's unscaling and inf
-    check, a logged norm. Each bucket read lands early, where its gradients are read."""
+    is first given it (its metadata aside: `.shape`, `.dtype`...), then runs the function on
+    the gradient itself. So what reads or changes gradients after backward sees their
+    averages, as with the plain optimizer, with no mode on the stack: `clip_grad_norm_` (a
+    trainer's too), GradScaler's unscaling and inf check, a logged norm. Each bucket read
+    lands early, where its gradients are read."""
 
     _landing: tuple[weakref.ref[OverlappedOptimizer], int | None, int]
     _gradient: torch.Tensor  # what backward left in `.grad`, where the average lands
@@ -616,7 +617,7 @@ class _LandsOnRead(torch.Tensor):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         wanted: dict[int, tuple[OverlappedOptimizer, set[int]]] = {}
-        for arg in itertools.chain(args, kwargs.values()):
+        for arg in itertools.chain(args, kwargs.values()) if not _metadata(func) else ():
             for item in arg if isinstance(arg, (list, tuple)) else (arg,):
                 if type(item) is cls:
                     ref, iteration, bucket = item._landing
