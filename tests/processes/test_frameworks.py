@@ -22,7 +22,7 @@ SCRIPTS = os.path.join(os.path.dirname(__file__), "..", "scripts", "frameworks")
 
 # framework -> (the package it needs, its script, the configurations it runs)
 FRAMEWORKS = {
-    "hf_trainer": ("transformers", "hf_trainer.py", ["default", "find_unused"]),
+    "hf_trainer": ("transformers", "hf_trainer.py", ["default", "find_unused", "overlap"]),
     "accelerate": ("accelerate", "accelerate_loop.py", ["accumulate", "trigger_sync", "overlap"]),
     "lightning": ("lightning", "lightning_trainer.py",
                   ["automatic", "manual", "manual_static_graph", "static_graph_hook", "overlap",

@@ -1,14 +1,34 @@
-"""HF Trainer under torchrun (2 CPU ranks, gloo): gradient accumulation, clipping, find_unused."""
+"""HF Trainer under torchrun (2 CPU ranks, gloo): gradient accumulation, clipping, find_unused;
+and gradsync's overlapped optimizer put in place of the Trainer's by a callback, once the
+Trainer has wrapped the model (with the same accumulation and clipping)."""
 
 from __future__ import annotations
 
 import tempfile
 
 import common
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 
-def train(out_dir: str, impl: str, find_unused: bool) -> None:
+class Overlap(TrainerCallback):
+    """Under gradsync, once the Trainer has built its optimizer and wrapped the model (in
+    Accelerate's prepare), the optimizer inside Accelerate's wrapper is overlapped; its
+    LR scheduler keeps stepping the same param_groups."""
+
+    def __init__(self, trainer: Trainer) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        accelerated = self.trainer.optimizer  # accelerate's AcceleratedOptimizer
+        model = self.trainer.model_wrapped  # gradsync's wrapper, under the patch
+        accelerated.optimizer = model.overlap_optimizer(accelerated.optimizer)
+
+    def on_train_end(self, args, state, control, **kwargs):  # noqa: ANN001, ANN201
+        stepped = self.trainer.optimizer.optimizer
+        assert stepped._acknowledged is not None, "the Trainer never stepped the overlapped one"
+
+
+def train(out_dir: str, impl: str, find_unused: bool, overlap: bool = False) -> None:
     net = common.model(spare=find_unused)
     args = TrainingArguments(
         output_dir=tempfile.mkdtemp(), per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -17,8 +37,10 @@ def train(out_dir: str, impl: str, find_unused: bool) -> None:
         ddp_find_unused_parameters=find_unused, dataloader_num_workers=0,
     )
     trainer = Trainer(model=net, args=args, train_dataset=common.Points())
+    if overlap and impl == "gradsync":
+        trainer.add_callback(Overlap(trainer))
     trainer.train()
-    config = "find_unused" if find_unused else "default"
+    config = "overlap" if overlap else "find_unused" if find_unused else "default"
     common.record(out_dir, "hf_trainer", impl, config, net, net.losses, trainer.model_wrapped)
 
 
@@ -26,4 +48,5 @@ if __name__ == "__main__":
     common.main("hf_trainer", {
         "default": lambda out, impl: train(out, impl, False),
         "find_unused": lambda out, impl: train(out, impl, True),
+        "overlap": lambda out, impl: train(out, impl, False, overlap=True),
     })
