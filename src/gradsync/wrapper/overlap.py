@@ -230,9 +230,9 @@ class OverlappedOptimizer(Optimizer):
     def _check_landed(self) -> None:
         """Before `step()`: no gradient of a bucket still landing was written since backward
         through a view taken before (`.data` or numpy would not show): its average would land
-        over the write. A torch function given one lands its bucket
-        first (`_LandsOnRead`), and a `.grad` replaced is stepped from (`_early`): `step()`
-        steps what the gradients then hold, as the plain optimizer would."""
+        over the write. A torch function given one lands its bucket first (`_LandsOnRead`),
+        and a `.grad` replaced is stepped from (`_early`): `step()` steps what the gradients
+        then hold, as the plain optimizer would."""
         self._check_unchanged([h for held in self._pending.values() for h in held])
 
     def _before_landing(self) -> None:
