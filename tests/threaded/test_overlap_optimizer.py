@@ -727,6 +727,33 @@ def test_a_tail_sent_first_in_chunks_equals_torch_ddp(optimizer, credit_mb):
            credit_mb=credit_mb)
 
 
+def test_a_gradient_read_on_one_rank_only_under_a_credit_waits_for_the_others_forward():
+    # Rank 0 alone reads the gradient nearest the input (a logged norm): its chunk is held by
+    # the credit, started on rank 1 only once rank 1's next forward lands the chunks before
+    # it. Rank 0's read waits for that forward, never for good, and both ranks step as
+    # torch's DDP; the norm is the average's on rank 0.
+    def body(rank, group, wrapper):
+        model = seeded(_layers, 0)
+        ddp = wrapper(model, process_group=group)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        if wrapper is GradsyncDDP:
+            size = 8 * 8 * 4 + 8 * 4  # a layer's bytes: the tail is three chunks, one flying
+            opt = ddp.overlap_optimizer(opt, tail_mb=3 * size / 2**20, chunk_mb=size / 2**20,
+                                        credit_mb=size / 2**20)
+        g, norms = torch.Generator().manual_seed(rank), []
+        for _ in range(3):
+            ddp(torch.randn(4, 8, generator=g)).pow(2).sum().backward()
+            if rank == 0:
+                held = wrapper is GradsyncDDP and ddp.reducer._reductions.holding()
+                assert held or wrapper is TorchDDP  # the read's chunk not yet started
+                norms.append(model[0].weight.grad.norm())
+            opt.step()
+            opt.zero_grad()
+        return _params(model, opt) + norms
+
+    _assert_equal_sides(body)
+
+
 @pytest.mark.parametrize("credit", [1, 2])
 def test_a_credit_holds_the_tails_chunks_until_the_next_forward_lands_those_before(credit):
     def body(rank, group):

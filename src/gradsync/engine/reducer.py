@@ -30,7 +30,7 @@ import functools
 import itertools
 import weakref
 from collections import OrderedDict, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -60,7 +60,8 @@ from .unused import Accumulators, reachable_from, reachable_parameters
 from .used_map import UsedMap
 from .waits import StallMonitor, Waits
 
-__all__ = ["Phase", "Reducer", "StallMonitor", "arguments_among", "find_tensors"]
+__all__ = ["Phase", "Reducer", "StallMonitor", "arguments_among", "find_tensors",
+           "flat_arguments"]
 
 
 class Phase(enum.Enum):
@@ -849,13 +850,18 @@ def arguments_among(args: tuple, kwargs: dict, ids: Mapping[int, object]) -> lis
     `ids`, each once: the parameters a function is given (`LandOnUse`, and the overlapped
     optimizer's read guard)."""
     found, seen = [], set[int]()
-    for arg in itertools.chain(args, kwargs.values()):
-        for item in arg if isinstance(arg, (list, tuple)) else (arg,):
-            key = id(item)
-            if key in ids and key not in seen:
-                seen.add(key)
-                found.append(item)
+    for item in flat_arguments(args, kwargs):
+        key = id(item)
+        if key in ids and key not in seen:
+            seen.add(key)
+            found.append(item)
     return found
+
+
+def flat_arguments(args: tuple, kwargs: dict) -> Iterator[Any]:
+    """The arguments of a torch function, those inside lists and tuples one by one."""
+    for arg in itertools.chain(args, kwargs.values()):
+        yield from arg if isinstance(arg, (list, tuple)) else (arg,)
 
 
 def find_tensors(obj: object) -> list[torch.Tensor]:

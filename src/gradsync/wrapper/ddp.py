@@ -284,9 +284,9 @@ class DistributedDataParallel(_Base):
         `overlap.DEFAULT_TAIL_MB`, `DEFAULT_CHUNK_MB` and `DEFAULT_CREDIT_MB`, which with
         `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
         forward runs over the communication still in flight. `step()` returns at once. Read
-        parameters between `step()` and the next forward after `opt.wait()`; gradients read
-        (clipping, GradScaler) land their buckets first. Results equal torch's DDP's with
-        `optimizer` stepped after backward. Call it alike on every rank."""
+        parameters before the next forward after `opt.wait()`; gradients read (clipping,
+        GradScaler) land their buckets first; a second overlapped optimizer is refused. Same
+        results as torch's DDP with `optimizer` stepped after backward. Call alike on every rank."""
         reducer = self._reducer_for("overlap_optimizer")
         refuse_another(reducer, optimizer)
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)

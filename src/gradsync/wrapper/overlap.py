@@ -38,7 +38,6 @@ a trainer's loop too. What differs, and is refused rather than silently wrong:
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -49,7 +48,7 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
-from ..engine.reducer import Reducer, arguments_among
+from ..engine.reducer import Reducer, arguments_among, flat_arguments
 from ..observability.log import detail_enabled
 from .module_guards import LocalRef
 
@@ -617,13 +616,12 @@ class _LandsOnRead(torch.Tensor):
                            kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         wanted: dict[int, tuple[OverlappedOptimizer, set[int]]] = {}
-        for arg in itertools.chain(args, kwargs.values()) if not _metadata(func) else ():
-            for item in arg if isinstance(arg, (list, tuple)) else (arg,):
-                if type(item) is cls:
-                    ref, iteration, bucket = item._landing
-                    if (opt := ref()) is not None and opt._iteration == iteration \
-                            and bucket in opt._pending:
-                        wanted.setdefault(id(opt), (opt, set()))[1].add(bucket)
+        for item in flat_arguments(args, kwargs) if not _metadata(func) else ():
+            if type(item) is cls:
+                ref, iteration, bucket = item._landing
+                if (opt := ref()) is not None and opt._iteration == iteration \
+                        and bucket in opt._pending:
+                    wanted.setdefault(id(opt), (opt, set()))[1].add(bucket)
         for opt, buckets in wanted.values():
             opt._land_read(sorted(buckets))
         return func(*_plain(args), **dict(zip(kwargs, _plain(tuple(kwargs.values())))))
