@@ -88,6 +88,7 @@ def _features(case: Case) -> list[str]:
     out += ["overlap_optimizer" + tail] if case.overlap else []
     out += ["every micro-step synchronised"] if case.sync_every else []
     out += ["clipped by the global norm"] if case.clip else []
+    out += ["tail measured mid-run"] if case.measure_at else []
     return out
 
 

@@ -90,6 +90,10 @@ class Case:
     # else reads them: with overlap_optimizer, without opt.wait(), so the clipping's reads land
     # the buckets still landing. Not sharded (no .grad) nor sparse (no norm of its own).
     clip: bool = False
+    # With overlap_optimizer's tail left out: the synchronised forward at which it is measured
+    # (`MeasuredTail.after`, 6 by default, beyond these runs), then tried for one iteration
+    # and decided at the next; 0: left at 6.
+    measure_at: int = 0
 
     @classmethod
     def from_seed(cls, seed: int) -> Case:
@@ -166,8 +170,10 @@ class Case:
             case = dataclasses.replace(case, blocks=case.blocks + (Block("complex"),))
         if case.micro_steps > 1 and not case.zero and rng.random() < 0.3:  # after those
             case = dataclasses.replace(case, sync_every=True)
-        if not case.zero and not sparse and rng.random() < 0.3:  # last of all
+        if not case.zero and not sparse and rng.random() < 0.3:  # after those
             case = dataclasses.replace(case, clip=True)
+        if case.overlap and case.tail is None and rng.random() < 0.6:  # last of all
+            case = dataclasses.replace(case, measure_at=rng.choice((2, 3)))
         return case
 
     def torch_kwargs(self) -> dict[str, Any]:
@@ -373,7 +379,12 @@ def train(
         else cls(params, **defaults)
     )
     if case.overlap and wrapper_cls is not TorchDDP:
-        opt = ddp.overlap_optimizer(opt, *(case.tail or ()))
+        # measured (tail left out) in chunks small enough for these models to be cut
+        opt = ddp.overlap_optimizer(opt, *(case.tail or ((None, 0.00003) if case.measure_at
+                                                         else ())))
+        if case.measure_at:  # the tail measured, tried and decided mid-run: cut again twice
+            measured = ddp.measured_tail
+            measured.after, measured.rounds, measured.per_slot = case.measure_at, 1, 1
     ws = group.size()
     grads = []
     for step, batch in enumerate(batches):

@@ -305,3 +305,39 @@ def test_join_with_planned_buckets_is_refused_before_any_collective():
 
     with pytest.raises(RankError, match='does not support bucket_cap_mb="auto"'):
         run_threaded(body, 2, timeout=30)
+
+
+def _overlapped_uneven(rank, group, batches):
+    """overlap_optimizer inside join(), against torch's DDP with SGD stepped after backward;
+    gradsync's side also says whether it measured its tail."""
+    out = []
+    for cls in (GradsyncDDP, TorchDDP):
+        model = seeded(MODELS["mlp"], 0)
+        ddp = cls(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        if cls is GradsyncDDP:
+            opt = ddp.overlap_optimizer(opt)
+        g = torch.Generator().manual_seed(rank)
+        with ddp.join():
+            for x in [torch.randn(4, 8, generator=g) for _ in range(batches[rank])]:
+                ddp(x).pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+        getattr(opt, "wait", lambda: None)()
+        out.append({n: p.detach().clone() for n, p in model.named_parameters()})
+        if cls is GradsyncDDP:
+            out.append(ddp.measured_tail)
+    return out
+
+
+def test_overlapped_optimizer_joins_uneven_inputs_without_measuring_its_tail():
+    # The tail is measured at the 6th synchronised forward by a collective of the ranks still
+    # training, which a joined rank would not mirror: inside join() it is not measured, and
+    # the ranks finish with torch's parameters.
+    for rank, (ours, measured, theirs) in enumerate(
+        run_processes(_overlapped_uneven, 2, (8, 5), timeout=180, default_group=True)
+    ):
+        assert measured is None
+        for name, value in theirs.items():
+            torch.testing.assert_close(ours[name], value, rtol=0, atol=0,
+                                       msg=f"rank {rank} {name}")

@@ -143,16 +143,18 @@ def test_the_device_bench_is_chosen_by_device_or_model_with_its_own_defaults():
             parse_args(bad)
 
 
-def test_overlap_tails_add_a_variant_each_with_that_share_of_the_gradients_held():
+def test_overlap_tails_add_a_variant_each_with_that_share_of_the_gradients_or_size_held():
     from gradsync.tools.benchsuite import _tail_mb
 
-    args = parse_args(["--only", "gradsync overlap", "--overlap-tails", "50,75"])
-    assert args.cpu_variants[-2:] == ("gradsync overlap, tail 50%", "gradsync overlap, tail 75%")
+    args = parse_args(["--only", "gradsync overlap", "--overlap-tails", "50,75,4MiB"])
+    assert args.cpu_variants[-3:] == ("gradsync overlap, tail 50%", "gradsync overlap, tail 75%",
+                                      "gradsync overlap, tail 4MiB")
     assert "gradsync overlap" in args.cpu_variants and "gradsync" not in args.cpu_variants
     model = torch.nn.Linear(1024, 256, bias=False)  # 1 MiB of gradients
     assert _tail_mb("gradsync overlap, tail 75%", model) == pytest.approx(0.75)
+    assert _tail_mb("gradsync overlap, tail 4MiB", model) == 4.0
     assert _tail_mb("gradsync overlap", model) is None  # the default tail
-    for bad in ("x", "120", "-5"):
+    for bad in ("x", "120", "-5", "-1MiB", "xMiB"):
         with pytest.raises(SystemExit):
             parse_args(["--overlap-tails", bad])
 

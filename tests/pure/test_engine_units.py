@@ -272,11 +272,39 @@ def test_a_trial_on_buckets_landing_later_times_forward_to_backwards_return_not_
     assert _step_ms(unsaid, forward_to_forward_ms=50.0) == 50.0
 
 
+def _sent(ready_ns, landed_ns, backward_end_ns, nbytes=100):
+    """A timeline whose buckets of `nbytes` filled (and launched) at `ready_ns` and landed at
+    `landed_ns`, backward ending at `backward_end_ns`."""
+    from gradsync.engine.timeline import EventKind, IterationTimeline
+
+    events = [(t, kind, b) for b, t in enumerate(ready_ns)
+              for kind in (EventKind.BUCKET_READY, EventKind.LAUNCH)]
+    events += [(t, EventKind.COMPLETE, b) for b, t in enumerate(landed_ns)]
+    return IterationTimeline(1, start_ns=0, bucket_indices=[[b] for b in range(len(ready_ns))],
+                             bucket_bytes=[nbytes] * len(ready_ns), events=events,
+                             backward_end_ns=backward_end_ns)
+
+
+def test_the_backlog_is_what_a_link_at_its_measured_rate_had_not_sent_when_backward_ended():
+    # Three buckets of 100 B fill at 0, 10 and 20 ns; the link, busy from 0 to 300 ns with
+    # their 300 B, moves 1 B/ns. Sent as they filled, 150 B were still to go at 150 ns.
+    assert _sent([0, 10, 20], [100, 200, 300], backward_end_ns=150).backlog_bytes() == 150
+    # Backward ending after the link caught up: nothing held would have been waiting.
+    assert _sent([0, 10, 20], [100, 200, 300], backward_end_ns=400).backlog_bytes() == 0
+    # The link idle between two buckets: its rate is over the time it was busy only, and
+    # what was sent before the gap does not count against the queue after it.
+    gap = _sent([0, 500], [100, 600], backward_end_ns=520)
+    assert gap.backlog_bytes() == 80
+    # A collective not seen landing (or events not recorded): nothing to measure.
+    assert _sent([0, 10], [100], backward_end_ns=150).backlog_bytes() is None
+    assert _sent([], [], backward_end_ns=150).backlog_bytes() is None
+
+
 def test_a_step_after_a_pause_longer_than_itself_is_not_a_trial_sample():
     # Its forward found the last step's buckets landed in the pause (another model trained in
     # turn, as in the bench): it waited for none, so a larger tail would look faster than it is.
     from gradsync.engine.timeline import IterationTimeline
-    from gradsync.planning.autoplan import _after_pause
+    from gradsync.planning.autoplan import after_pause
 
     def step(i, forward_ms, returned_ms):
         return IterationTimeline(i, start_ns=0, bucket_indices=[[0]], bucket_bytes=[4],
@@ -285,8 +313,8 @@ def test_a_step_after_a_pause_longer_than_itself_is_not_a_trial_sample():
 
     steady = [step(1, 0.0, 10.0), step(2, 11.0, 21.0)]  # 1 ms between steps: counted
     paused = [step(1, 0.0, 10.0), step(2, 40.0, 50.0)]  # 30 ms idle before a 10 ms step
-    assert not _after_pause(steady, 10.0) and _after_pause(paused, 10.0)
-    assert not _after_pause(paused[1:], 10.0)  # nothing before it: counted
+    assert not after_pause(steady, 10.0) and after_pause(paused, 10.0)
+    assert not after_pause(paused[1:], 10.0)  # nothing before it: counted
 
 
 class _Stuck:

@@ -1133,3 +1133,91 @@ def test_buckets_left_at_torchs_cap_are_capped_at_4_mib_for_the_overlap_and_a_ca
         assert given == [8]  # the 25 MiB asked for (torch's 1 MiB first bucket is its default's)
         # what dynamo's DDPOptimizer splits a compiled graph at: the cap the buckets have
         assert (default_cap, given_cap) == (4 * 2**20, 25 * 2**20)
+
+
+MEASURED_STEPS = 16  # measured at the 6th synchronised forward, decided at the 14th (short)
+CHUNK_MB = 1 / 1024  # 1 KiB: the test model's 8.4 KiB cut into several chunks
+
+
+def _measured_tail(rank, group, steps=MEASURED_STEPS):
+    """Train many_small (8.4 KiB) with the tail left out, in chunks of 1 KiB, its trial
+    shortened to two rounds of two; the decided tail and the configured one after each step,
+    the trial's outcome, the parameters and the optimizer's state."""
+    model = seeded(MODELS["many_small"], 0)
+    ddp = GradsyncDDP(model, process_group=group)
+    opt = ddp.overlap_optimizer(OPTIMIZERS["adamw"](model.parameters()), chunk_mb=CHUNK_MB)
+    measured = ddp.measured_tail
+    measured.rounds, measured.per_slot = 2, 2
+    seen = []
+    for batch in make_batches(steps, 2, per_rank=4):
+        ddp(batch.chunk(2)[rank]).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        seen.append((measured.tail, ddp.reducer.config.priority_tail_bytes))
+    opt.wait()
+    return (seen, (measured.backlog, measured.score),
+            ({n: p.detach().clone() for n, p in model.named_parameters()}, opt.state_dict()))
+
+
+def test_the_tail_left_out_is_measured_tried_and_decided_alike_on_every_rank_as_torchs_steps():
+    # The default tail for five synchronised iterations; then the backlog measured, the two
+    # tails in turn, and the faster kept, on every rank alike; the parameters torch's DDP's.
+    batches = make_batches(MEASURED_STEPS, 2, per_rank=4)
+    ours = run_threaded(_measured_tail, 2, timeout=120)
+    theirs = run_threaded(lambda rank, group: _train(TorchDDP, rank, group, "many_small",
+                                                     batches, "adamw"), 2, timeout=120)
+    (seen0, tried0, _), (seen1, tried1, _) = ours
+    assert seen0 == seen1 and tried0 == tried1
+    default = int(gradsync.wrapper.overlap.DEFAULT_TAIL_MB * 2**20)
+    decided = seen0[-1][0]
+    assert seen0[:13] == [(None, t) for _, t in seen0[:13]] and seen0[13:] == [
+        (decided, decided)] * (MEASURED_STEPS - 13)
+    backlog, score = tried0
+    if score is not None:  # tried: the two tails in turn, then the faster
+        assert {t for _, t in seen0[5:13]} == {default, backlog}, seen0
+        assert decided == (backlog if score < 0.98 else default)
+    else:  # the backlog cuts the same buckets as the default: nothing to try
+        assert decided == default
+    for rank, (mine, want) in enumerate(zip(ours, theirs)):
+        _assert_same(mine[2], want, f"rank {rank}")
+
+
+def test_the_backlog_tried_is_the_least_ranks_and_kept_only_if_faster_on_every_rank(monkeypatch):
+    # Each rank's collectives count the time they wait for the others as time on the link:
+    # the least backlog is the likeliest. Kept only where every rank's steps were faster with
+    # it; a rank with no timings (record_events=False) keeps the default everywhere, after
+    # the same agreement; never less than a chunk; not tried where it cuts the same buckets.
+    import threading
+
+    kib = 1024
+    cases = {"faster": ([3 * kib, 5 * kib], [0.9, 0.95]),
+             "slower on one": ([3 * kib, 5 * kib], [0.9, 1.0]),
+             "one unmeasured": ([3 * kib, None], [0.9, 0.9]),
+             "nearly none": ([100, 200], [0.9, 0.9]),
+             "the same buckets": ([20 * kib, 30 * kib], [0.9, 0.9])}  # all 8.4 KiB
+    local = threading.local()
+
+    def run(case):
+        backlogs, speed = cases[case]
+        monkeypatch.setattr(gradsync.engine.timeline.IterationTimeline, "backlog_bytes",
+                            lambda self: backlogs[local.rank])
+
+        def timed(self, reducer):  # each rank's backlog slots this much faster
+            for slot in range(2 * self.rounds):
+                self.trial["steps"][slot] = [10.0 * (speed[local.rank] if slot % 2 else 1.0)]
+
+        monkeypatch.setattr(gradsync.wrapper.overlap.MeasuredTail, "_time_last", timed)
+
+        def body(rank, group):
+            local.rank = rank
+            return _measured_tail(rank, group)[0][-1]
+
+        return run_threaded(body, 2, timeout=60)
+
+    default = int(gradsync.wrapper.overlap.DEFAULT_TAIL_MB * kib**2)
+    chunk = int(CHUNK_MB * kib**2)
+    assert run("faster") == [(3 * kib, 3 * kib)] * 2
+    assert run("slower on one") == [(default, default)] * 2
+    assert run("one unmeasured") == [(default, default)] * 2
+    assert run("nearly none") == [(chunk, chunk)] * 2
+    assert run("the same buckets") == [(default, default)] * 2

@@ -437,11 +437,11 @@ def _trial_agreement(group, timeout):
     import torch
 
     from gradsync.engine.config import ReducerConfig
-    from gradsync.planning.autoplan import _agreed_max
+    from gradsync.planning.autoplan import agreed_max
 
     reducer = SimpleNamespace(process_group=group, config=ReducerConfig(timeout=timeout),
                               buckets=[SimpleNamespace(buffer=torch.zeros(1))])
-    _agreed_max(reducer, [1.0])
+    agreed_max(reducer, [1.0])
 
 
 @pytest.mark.parametrize("call, what", [

@@ -645,10 +645,19 @@ class Reducer:
         self.config = dataclasses.replace(self.config, rebuild_bucket_size_limits=tuple(limits))
         if self._needs_rebuild or self.sharded:
             return
+        self.install_layout(self.layout_by_caps())
+
+    def layout_by_caps(self) -> list[list[int]]:
+        """The layout in place cut again by the caps (`rebuild_bucket_size_limits`) in its own
+        order: a tail's chunks merged back into buckets, to cut another tail from (without
+        caps, the layout in place)."""
+        limits = self.config.rebuild_bucket_size_limits
+        if limits is None:
+            return [list(bucket) for bucket in self.bucket_indices]
         order = [i for bucket in self.bucket_indices for i in bucket]
         layout, _ = compute_bucket_assignment_by_size(
             [self.params[i] for i in order], list(limits), self.expect_sparse_gradient, order)
-        self.install_layout(layout)
+        return layout
 
     def register_finish_hook(self, hook: Callable[[], None]) -> RemovableHandle:
         """Call `hook()` each time a synchronised backward has been finished here: every

@@ -80,3 +80,31 @@ class IterationTimeline:
     def ready_order(self) -> list[int]:
         """Parameter indices in the order their gradients became ready (unused ones included)."""
         return [i for _, k, i in self.events if k in (EventKind.READY, EventKind.UNUSED)]
+
+    def backlog_bytes(self) -> int | None:
+        """Bytes of gradients still waiting for the link when backward ended, had every bucket
+        been sent as it filled, one after another, at the rate the link kept in this iteration
+        (its bytes over the time some collective was in flight). Holding back that many of the
+        last gradients (`Reducer.send_tail_first`) costs the link no time during backward: it
+        is busy with the others until backward ends. None where the timeline lacks a bucket's
+        fill, launch or completion, or backward's end."""
+        filled, launched = self.times(EventKind.BUCKET_READY), self.times(EventKind.LAUNCH)
+        landed, count = self.times(EventKind.COMPLETE), len(self.bucket_bytes)
+        if not self.backward_end_ns or any(
+            b not in filled or b not in launched or b not in landed for b in range(count)
+        ):
+            return None
+        busy, reached = 0, None  # the union of the collectives' spans
+        for start, end in sorted((launched[b], landed[b]) for b in range(count)):
+            if reached is None or end > reached:
+                busy += end - (start if reached is None else max(start, reached))
+                reached = end
+        if busy <= 0:
+            return None
+        rate = sum(self.bucket_bytes) / busy  # bytes a nanosecond
+        queued, clock = 0.0, 0
+        for when, b in sorted((filled[b], b) for b in range(count)):
+            queued = max(0.0, queued - (when - clock) * rate) + self.bucket_bytes[b]
+            clock = max(clock, when)
+        end = self.backward_end_ns - self.start_ns
+        return int(max(0.0, queued - max(0, end - clock) * rate))

@@ -29,7 +29,7 @@
    forward (which waits for the last step's buckets) to the return of its backward, since the
    end of backward no longer waits for the buckets; the time between steps is left out, and a
    step after a pause longer than itself is not counted (its forward found everything landed,
-   which flatters a tail that leaves more in flight; `_after_pause`). Once the
+   which flatters a tail that leaves more in flight; `after_pause`). Once the
    layout is decided, a second trial of the same form (screen, then confirm) picks how much
    of the communication tail goes first and in what chunks (`Reducer.send_tail_first`):
    the tail as set, none, half and three quarters of the gradients (where the link cannot
@@ -78,7 +78,8 @@ from .planner import (
     probe_under_load,
 )
 
-__all__ = ["AutoBuckets", "BucketPlan", "confirm_layout", "screen_layouts"]
+__all__ = ["AutoBuckets", "BucketPlan", "after_pause", "agreed_max", "confirm_layout",
+           "screen_layouts"]
 
 CURRENT, PLANNED, ONE = "current", "planned", "one bucket"
 LADDER = (("coarse", 4), ("coarser", 16), ("coarsest", 64))
@@ -290,7 +291,7 @@ class AutoBuckets:
         current = reducer.bucket_indices
         one = _plan(reducer, ready, nbytes, CostModel(1e9, 0.0))  # one per dtype/device
         planned = one if saturated else _plan(reducer, ready, nbytes, cost)
-        before = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
+        before = agreed_max(reducer, [_median_total_ms(list(reducer.history)[-self.window :])])[0]
         self.plan = BucketPlan(
             planned,
             cost,
@@ -344,7 +345,7 @@ class AutoBuckets:
                 last = reducer.history[-1]
                 ms = (_step_ms(last, (now - since) * 1e-6) if reducer.lands_lazily
                       else _total_ms(last))
-                if not (reducer.lands_lazily and _after_pause(reducer.history, ms)):
+                if not (reducer.lands_lazily and after_pause(reducer.history, ms)):
                     trial.samples[trial.schedule[pos - 1]].append(ms)
         if pos == len(trial.schedule):
             if trial.confirming is None:
@@ -432,7 +433,7 @@ class AutoBuckets:
     def _watch(self, reducer: Reducer) -> None:
         """Set the steady-state time after a decision; replan if it later drifts far from it."""
         self._watched_at = reducer.iteration
-        now = _agreed_max(reducer, [_median_total_ms(list(reducer.history)[-8:])])[0]
+        now = agreed_max(reducer, [_median_total_ms(list(reducer.history)[-8:])])[0]
         if self._baseline_ms is None:
             self._baseline_ms = now
             return
@@ -466,7 +467,7 @@ class AutoBuckets:
             for t, kind, i in tl.events:
                 if kind in (EventKind.READY, EventKind.UNUSED):
                     per_param[i].append((t - tl.start_ns) * 1e-6)
-        return _agreed_max(reducer, [statistics.median(v) if v else 0.0 for v in per_param])
+        return agreed_max(reducer, [statistics.median(v) if v else 0.0 for v in per_param])
 
 
 def _trial_layouts(
@@ -612,7 +613,7 @@ def _agreed_slots(reducer: Reducer, trial: _Trial) -> dict[tuple[int, str], floa
     numbers on every rank, in the schedule's order, so every rank decides alike."""
     slots = list(trial.samples)
     means = [statistics.fmean(trial.samples[s]) if trial.samples[s] else 0.0 for s in slots]
-    return dict(zip(slots, _agreed_max(reducer, means)))
+    return dict(zip(slots, agreed_max(reducer, means)))
 
 
 def _round_ratios(slots: dict[tuple[int, str], float], name: str) -> list[float]:
@@ -642,7 +643,7 @@ def _step_ms(timeline: IterationTimeline, forward_to_forward_ms: float) -> float
     return forward_to_forward_ms
 
 
-def _after_pause(history: Sequence[IterationTimeline], step_ms: float) -> bool:
+def after_pause(history: Sequence[IterationTimeline], step_ms: float) -> bool:
     """Whether the last step's forward came after a pause longer than the step (another model
     trained in turn, an evaluation): the step before it had landed in the pause, so its forward
     waited for nothing, and a tail that leaves more in flight would look faster than it is."""
@@ -660,7 +661,7 @@ def _median_total_ms(timelines: list) -> float:
     return statistics.median(totals) if totals else 0.0
 
 
-def _agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
+def agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
     """Each value's maximum over the ranks: the same inputs, hence the same decisions,
     everywhere."""
     agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)

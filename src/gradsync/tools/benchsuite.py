@@ -41,6 +41,7 @@ from torch import nn
 from ..planning.autoplan import AutoBuckets
 from ..planning.planner import measure_comm_cpu, probe_cost_model, probe_sizes
 from ..wrapper.ddp import DistributedDataParallel
+from ..wrapper.overlap import MeasuredTail
 from .bench import Comparison, interleave, markdown_table, mismatched, timed
 
 __all__ = ["CLUSTER_MODELS", "LOOPBACK_MODELS", "MODELS", "build_parser", "main", "mismatched"]
@@ -220,8 +221,22 @@ def _tail_mb(name: str, model: nn.Module) -> float | None:
     of the model's gradients; None (the default tail) for the others."""
     if ", tail " not in name:
         return None
-    share = float(name.rsplit(" ", 1)[1].rstrip("%")) / 100
+    tail = name.rsplit(" ", 1)[1]
+    if tail.endswith("MiB"):
+        return float(tail[:-3])
+    share = float(tail.rstrip("%")) / 100
     return share * sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+
+
+def _measured(wrapped: Any) -> str:
+    """What `overlap.MeasuredTail` chose: the tail, the backlog it tried, how it scored."""
+    measured = wrapped.measured_tail
+    if measured is None or measured.tail is None:
+        return "tail not decided yet"
+    tried = "" if measured.backlog is None else f"; backlog {measured.backlog / 2**20:.2f} MiB"
+    scored = "" if measured.score is None else (
+        f", its steps x{measured.score:.3f} the default tail's")
+    return f"tail measured: {measured.tail / 2**20:.2f} MiB{tried}{scored}"
 
 
 def _make_variant(
@@ -264,7 +279,9 @@ def _make_variant(
 
     state[name] = model
     if "planned" in name:
-        state["plan of " + name] = wrapped  # read after timing: what "auto" chose
+        state["plan of " + name] = lambda: str(wrapped.bucket_plan())  # type: ignore[operator]
+    elif name == "gradsync overlap":  # the tail it measured (`overlap.MeasuredTail`)
+        state["plan of " + name] = lambda: _measured(wrapped)
     return run
 
 
@@ -281,12 +298,14 @@ def run_model(model_name: str, rounds: int, repeat: int, rank: int, settle: bool
     planner, planned = AutoBuckets(), [v for v in names if "planned" in v]
     settles = 0 if not (settle and planned) else (
         planner.tail_decided_by if "gradsync overlap planned" in planned else planner.decided_by)
+    if settle and "gradsync overlap" in names:  # its tail measured before timing starts
+        settles = max(settles, MeasuredTail(0, 0).decided_by + 1)
     result = interleave(variants, rounds=rounds, warmup=max(2, math.ceil(settles / repeat)))
     nbytes = sum(p.numel() * p.element_size() for p in models["torch DDP"].parameters())
     cost = probe_cost_model(dist.group.WORLD, sizes=probe_sizes(nbytes), repeats=3)  # type: ignore[arg-type]
     comm_cpu = measure_comm_cpu(dist.group.WORLD, nbytes)  # type: ignore[arg-type]
     plans = {
-        k: str(models.pop(k).bucket_plan())  # type: ignore[operator]
+        k: models.pop(k)()  # type: ignore[operator]
         for k in [k for k in models if k.startswith("plan of ")]
     }
     same = _same_parameters(models)
@@ -522,17 +541,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 f"{list(VARIANTS)})")
     always = ("torch DDP", "torch DDP (again)", "compute only")  # the baseline, A/A, floor
     args.cpu_variants = tuple(v for v in VARIANTS if not only or v in only or v in always)
-    args.cpu_variants += tuple(f"gradsync overlap, tail {t:g}%" for t in args.overlap_tails)
+    args.cpu_variants += tuple(f"gradsync overlap, tail {t}" for t in args.overlap_tails)
     return args
 
 
-def _percents(text: str) -> list[float]:
-    """--overlap-tails: comma-separated percentages (a word that is not a number: argparse's
-    error, from float's ValueError)."""
-    shares = [float(t) for t in text.split(",") if t]
-    if any(not 0 <= share <= 100 for share in shares):
-        raise argparse.ArgumentTypeError(f"percentages from 0 to 100 (got {text!r})")
-    return shares
+def _tails(text: str) -> list[str]:
+    """--overlap-tails: comma-separated percentages of the gradients or sizes in MiB ("50",
+    "4MiB"), as the variants name them (a word that is not a number: argparse's error, from
+    float's ValueError)."""
+    tails = []
+    for word in (t for t in text.split(",") if t):
+        mib = word.endswith("MiB")
+        value = float(word[:-3] if mib else word)
+        if value < 0 or (not mib and value > 100):
+            raise argparse.ArgumentTypeError(f"percentages from 0 to 100 or sizes in MiB "
+                                             f"(got {text!r})")
+        tails.append(f"{value:g}MiB" if mib else f"{value:g}%")
+    return tails
 
 
 def _parser(device_models: tuple[str, ...],
@@ -557,9 +582,11 @@ def _parser(device_models: tuple[str, ...],
                    help="every variant's optimizer (default sgd)")
     p.add_argument("--only", default=None, help=f"comma-separated, from {', '.join(VARIANTS)} "
                    "(default: all; torch DDP, its A/A pair and compute only always run)")
-    p.add_argument("--overlap-tails", type=_percents, default=[], metavar="PERCENTS",
-                   help="comma-separated: for each P, a variant \"gradsync overlap, tail P%%\" "
-                   "(overlap_optimizer with tail_mb P %% of the model's gradients)")
+    p.add_argument("--overlap-tails", type=_tails, default=[], metavar="TAILS",
+                   help="comma-separated percentages P or sizes NMiB: for each, a variant "
+                   "\"gradsync overlap, tail P%%\" (overlap_optimizer with tail_mb P %% of the "
+                   "model's gradients) or \"..., tail NMiB\" (tail_mb N; 4MiB: the fixed "
+                   "default before the tail was measured)")
     p.add_argument("--out", default=None, help="folder for bench.md, bench.json (and bench.png) "
                    "(default out/bench; with --device, out/bench-DEVICE)")
     _device_options(p.add_argument_group("the device bench"), device_variants)
@@ -663,6 +690,7 @@ def _write(args: argparse.Namespace, results: dict[str, dict]) -> None:
             "cpu_share_of_step": {v: share for v, (_, share) in cpu_use(d).items()},
             "machine_cpu_ms_per_step": machine_cpu(d),
             "ratio_to_gradsync": against_plain(d["result"]),
+            "plans": {k[len("plan of "):]: v for k, v in d["plans"].items()},
             "samples_ms": {v: [x * 1e3 for x in d["result"].samples[v]]
                            for v in d["result"].variants},
         }

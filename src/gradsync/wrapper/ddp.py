@@ -73,6 +73,7 @@ from .join import DDPJoinHook, all_reduce_flag, check_joinable, sync_buffers_fro
 from .module_guards import LocalRef, UnsynchronisedGradients, check_outputs_hold_tensors
 from .overlap import (
     DEFAULT_OVERLAP_BUCKET_MB,
+    MeasuredTail,
     OverlappedOptimizer,
     agree_on_parameters,
     agree_on_tail,
@@ -269,24 +270,20 @@ class DistributedDataParallel(_Base):
                           credit_mb: float | None = None) -> OverlappedOptimizer:
         """Step `optimizer` per bucket as each bucket's averages land, and let the next forward
         start on what has landed; use what this returns in its place, in the same loop
-        (`loss.backward(); opt.step(); opt.zero_grad()`).
-
-        With `bucket_cap_mb` left out, the buckets are capped at
-        `overlap.DEFAULT_OVERLAP_BUCKET_MB` (4 MiB) instead of torch's 25 MiB: each is stepped as
-        it lands, and smaller ones start reducing earlier in backward. With
-        `bucket_cap_mb="auto"` not yet planned, so are the buckets the planner's candidates are
-        tried against. Buckets landed by `step()` are stepped there (backwards before it
-        accumulate, as with torch's DDP), the rest in the next forward, each where one of its
-        parameters is first used; the last `tail_mb` MiB of
-        gradients in ready order (nearest the input: needed first) are sent nearest-first, in
-        chunks of `chunk_mb` MiB, at most `credit_mb` MiB of them reducing at once (0: all;
-        `ReducerConfig.priority_tail_bytes`, `credit_bytes`; None: the measured defaults,
-        `overlap.DEFAULT_TAIL_MB`, `DEFAULT_CHUNK_MB` and `DEFAULT_CREDIT_MB`, which with
-        `bucket_cap_mb="auto"` the planner's trial then tries against others), so the next
-        forward runs over the communication still in flight. `step()` returns at once. Read
-        parameters before the next forward after `opt.wait()`; gradients read (clipping,
-        GradScaler) land their buckets first; a second overlapped optimizer is refused. Same
-        results as torch's DDP with `optimizer` stepped after backward. Call alike on every rank."""
+        (`loss.backward(); opt.step(); opt.zero_grad()`). `step()` returns at once.
+        With `bucket_cap_mb` left out, buckets are capped at `overlap.DEFAULT_OVERLAP_BUCKET_MB`
+        (4 MiB, not torch's 25): each is stepped as it lands, and smaller ones start reducing
+        earlier in backward (with "auto" not yet planned, the candidates are tried against
+        these). Buckets landed by `step()` are stepped there, the rest in the next forward
+        where one of its parameters is first used. The last `tail_mb` MiB of gradients in ready
+        order (nearest the input: needed first) go nearest-first, in chunks of `chunk_mb` MiB,
+        at most `credit_mb` MiB reducing at once (0: all). None: `overlap.DEFAULT_TAIL_MB`,
+        `DEFAULT_CHUNK_MB`, `DEFAULT_CREDIT_MB`; the tail then measured (what the link could
+        not carry before backward ended), tried and kept if faster (`measured_tail`), or, with
+        `bucket_cap_mb="auto"`, tried by the planner's trial. Read parameters before the next
+        forward after `opt.wait()`; gradients read (clipping, GradScaler) land their buckets
+        first; a second overlapped optimizer is refused. Same results as torch's DDP with
+        `optimizer` stepped after backward. Call alike on every rank."""
         reducer = self._reducer_for("overlap_optimizer")
         refuse_another(reducer, optimizer)
         tail, chunk, credit = tail_bytes(tail_mb, chunk_mb, credit_mb)
@@ -306,7 +303,18 @@ class DistributedDataParallel(_Base):
             self._limits = ([self._limits[0][0], int(DEFAULT_OVERLAP_BUCKET_MB * 2**20)], False)
             reducer.recap_buckets(self._limits[0])  # and `bucket_bytes_cap` says so
         reducer.send_tail_first(tail, chunk, credit=credit)
+        # Without tail_mb, the tail is measured after a few iterations (the planner's trial
+        # chooses it under "auto", a checkpoint's plan restores it).
+        self._measured_tail: MeasuredTail | None = (
+            MeasuredTail(chunk, credit) if tail_mb is None and self._auto is None else None)
         return overlapped
+
+    @property
+    def measured_tail(self) -> MeasuredTail | None:
+        """How `overlap_optimizer` measures its tail where given no `tail_mb`: `tail`, in bytes
+        once decided, the `backlog` it tried and its `score`; None where it is not measured
+        (tail_mb given, "auto", inside join())."""
+        return self._measured_tail
 
     def check_sharded_optimizer(self, group: dist.ProcessGroup) -> None:
         """Called by gradsync.ZeroRedundancyOptimizer (ZeRO-1) holding this wrapper's parameters,
@@ -324,6 +332,7 @@ class DistributedDataParallel(_Base):
         all-reduce, mixed precision's low-precision copies; and the buffers to broadcast."""
         # "auto": measure, probe the network and plan the layout (gradsync.planning.planner).
         self._auto = AutoBuckets() if cap_mb == "auto" else None
+        self._measured_tail = None  # overlap_optimizer's, without tail_mb
         self._limits = bucket_limits(None if self._auto else cap_mb, cap_mb_list)  # type: ignore[arg-type]
         self._default_caps = cap_mb is None and not cap_mb_list  # torch's 25 MiB: none given
         self._delay_args = (delay_named, delay_trigger)
@@ -466,6 +475,8 @@ class DistributedDataParallel(_Base):
         if sync and self.reducer is not None:
             if self._auto is not None:
                 self._auto.maybe_plan(self.reducer)
+            if self._measured_tail is not None:
+                self._measured_tail.maybe_decide(self.reducer)
             if self.find_unused_parameters or self.static_graph:  # the graph is searched from them
                 check_outputs_hold_tensors(output, True)
             self.reducer.prepare_for_backward(
@@ -644,6 +655,7 @@ class DistributedDataParallel(_Base):
     def join_hook(self, **kwargs: Any) -> JoinHook:
         check_joinable(delayed=self._delayed is not None or self.reducer is None,
                        auto=self._auto is not None)
+        self._measured_tail = None  # its agreement is a collective a joined rank would miss
         self._divide_by_initial_world_size = kwargs.get("divide_by_initial_world_size", True)
         return DDPJoinHook(self, self._buffers_to_sync)
 

@@ -106,6 +106,8 @@ class DDPJoinHook(JoinHook):
         )
         if owner is not None:  # a sharded optimizer's gathers still on their way (overlapped)
             owner.wait_parameters()  # type: ignore[attr-defined]
+        if ddp.reducer is not None:  # the last step's buckets landed and stepped first
+            ddp.reducer.land()  # (overlap_optimizer): the broadcast overwrites parameters
         src = find_common_rank(ddp.process_group, ddp.process_group.rank(), is_last_joiner)
         tensors = [p.detach() for p in ddp.module.parameters()]
         if ddp.forward_sync_buffers:

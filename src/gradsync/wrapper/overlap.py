@@ -38,6 +38,8 @@ a trainer's loop too. What differs, and is refused rather than silently wrong:
 
 from __future__ import annotations
 
+import math
+import statistics
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -48,12 +50,14 @@ from torch.overrides import TorchFunctionMode, resolve_name
 
 from ..engine.bucket import Bucket
 from ..engine.collectives import all_gather_objects
+from ..engine.layout import priority_tail
 from ..engine.reducer import Reducer, arguments_among, flat_arguments
 from ..observability.log import detail_enabled
+from ..planning.autoplan import after_pause, agreed_max
 from .module_guards import LocalRef
 
 __all__ = ["DEFAULT_CHUNK_MB", "DEFAULT_CREDIT_MB", "DEFAULT_OVERLAP_BUCKET_MB", "DEFAULT_TAIL_MB",
-           "OverlappedOptimizer", "agree_on_parameters", "agree_on_tail", "held_by",
+           "MeasuredTail", "OverlappedOptimizer", "agree_on_parameters", "agree_on_tail", "held_by",
            "refuse_another", "tail_bytes"]
 
 # Measured on the emulated cluster (docs/benchmarks/2026-12-06-overlap-optimizer.md).
@@ -206,14 +210,26 @@ class OverlappedOptimizer(Optimizer):
             with self._own:
                 self.optimizer.step()
             return
-        self._check_landed()
-        # A `.grad` replaced since backward (None, a tensor of the user's) is stepped now, as
-        # the plain optimizer steps it; its bucket's average lands into backward's tensor.
-        self._early = {id(p) for held in self._pending.values() for p, g, _ in held
-                       if _grad(p) is not g}
-        landing = {id(p) for held in self._pending.values() for p, _, _ in held} - self._early
-        self._with_groups([[p for p in g["params"] if id(p) not in landing]
-                           for g in self.optimizer.param_groups], self.optimizer.step)
+        # One pass over the gradients still landing (a model of many small tensors pays for
+        # each): written through a view since backward is refused (`_check_landed`); a `.grad`
+        # replaced (None, a tensor of the user's) is stepped now, as the plain optimizer steps
+        # it, its bucket's average landing into backward's tensor (`_early`).
+        self._early, landing, changed = set(), set(), []
+        with torch._C.DisableTorchFunction():  # `.grad` in a forward: `LandOnUse` would land
+            for held in self._pending.values():
+                for p, g, v in held:
+                    if _grad(p) is not g:
+                        self._early.add(id(p))
+                    else:
+                        landing.add(id(p))
+                        if _version(g) != v:
+                            changed.append((p, g))
+        if changed:
+            raise RuntimeError(_CHANGED.format(names=self._named(changed)))
+        now = [[p for p in g["params"] if id(p) not in landing]
+               for g in self.optimizer.param_groups]
+        if any(now):  # else every bucket is stepped as it lands: no empty step (host time)
+            self._with_groups(now, self.optimizer.step)
         self._settings = [{k: v for k, v in g.items() if k != "params"}
                           for g in self.optimizer.param_groups]
         reducer = self._reducer()
@@ -268,13 +284,14 @@ class OverlappedOptimizer(Optimizer):
     def _backward_ended(self, pending: Sequence[Bucket]) -> None:
         reducer = self._reducer()
         self._begin(reducer.iteration if reducer is not None else None)
-        self._pending = {b.index: [(p, p.grad, _version(p.grad)) for p in self._held(b)]
-                         for b in pending}
-        self._resets, self._zero_after = {}, {}
-        for index, held in self._pending.items():
-            for p, g, _ in held:
+        self._pending, self._resets, self._zero_after = {}, {}, {}
+        for bucket in pending:  # one pass per gradient: a model of many small ones pays each
+            held = self._pending[bucket.index] = []
+            for p in self._held(bucket):
+                g = p.grad
+                held.append((p, g, -1 if g is None else g._version))
                 if g is not None and g.layout is torch.strided:
-                    p.grad = _LandsOnRead.of(g, self, index)
+                    p.grad = _LandsOnRead.of(g, self, bucket.index)
 
     def _land_read(self, indices: list[int]) -> None:
         """A torch function was given the gradients of buckets `indices` still landing: land
@@ -291,10 +308,15 @@ class OverlappedOptimizer(Optimizer):
         held = self._pending.pop(bucket.index, None)
         if not held:
             return
-        _unwrap(held)
         reducer = self._reducer()
         after_step = reducer is not None and self._acknowledged == reducer.iteration
-        changed = [(p, g) for p, g, v in held if p.grad is not g or _version(g) != v]
+        changed = []
+        for p, g, v in held:  # `.grad` back to the gradient itself where still its alias
+            grad = p.grad
+            if type(grad) is _LandsOnRead and grad._gradient is g:
+                p.grad = grad = g
+            if grad is not g or _version(g) != v:
+                changed.append((p, g))
         if after_step and self._as_view and (
                 into := [(p, g) for p, g, v in held if _version(g) != v]):
             raise RuntimeError(_CHANGED_IN_FLIGHT.format(names=self._named(into)))
@@ -760,6 +782,115 @@ def agree_on_tail(group: Any, tail: int, chunk: int, credit: int = 0) -> None:
                           for r, (t, c, k) in enumerate(everyone))
         raise ValueError(f"overlap_optimizer: the ranks asked for different tails ({shown}); "
                          "pass the same tail_mb, chunk_mb and credit_mb on every rank")
+
+
+class MeasuredTail:
+    """The tail held where `overlap_optimizer` is given no `tail_mb`: `DEFAULT_TAIL_MB` for the
+    first synchronised iterations, then what the link could not have carried before backward
+    ended (`IterationTimeline.backlog_bytes`: the median of the last iterations', the least
+    over the ranks, at least a chunk), if it proves faster. Held, those gradients cost the link
+    no time in backward and go nearest the input first; a fixed tail holds too much on a link
+    faster than backward (it idles through the end of backward) and too little on a slower one
+    (the next forward's first chunks queue behind buckets still on the wire). But where the
+    collectives take the cores that compute (loopback, a rank per core) there is no separate
+    link, and holding more only delays: so the two tails take turns for a few slots, each
+    timed from its forward to its backward's return, and the backlog is kept only if its steps
+    are faster on every rank (`margin`). Measured on the emulated cluster and on loopback:
+    docs/benchmarks/2026-12-08-overlap-measured-tail.md. Not inside `join()`
+    (`DistributedDataParallel.join_hook` drops it): a joined rank could not take part."""
+
+    after = 6  # synchronised forwards first: the one-time rebuild, then timed iterations
+    window = 4  # timelines the backlog is the median of
+    per_slot = 3  # iterations each tail runs in turn (the first after a switch is not timed)
+    rounds = 4  # slots of each tail
+    margin = 0.02  # the backlog's steps must be this much faster
+
+    def __init__(self, chunk: int, credit: int) -> None:
+        self.chunk, self.credit = chunk, credit
+        self.syncs = 0
+        self.tail: int | None = None  # bytes, once decided
+        self.trial: dict[str, Any] = {}  # the two tails, the slots run, their steps (if tried)
+        self.backlog: int | None = None  # bytes, once measured
+        self.score: float | None = None  # the backlog's steps over the default's, agreed
+
+    def maybe_decide(self, reducer: Reducer) -> None:
+        """Call at every synchronised forward, alike on every rank (a relayout at each slot's
+        start and two agreements, all at the same forwards on every rank)."""
+        self.syncs += 1
+        k = self.syncs - self.after  # this iteration's place in the trial
+        if self.tail is not None or k < 0 or not reducer.lands_lazily:  # else landed at the end
+            return
+        if k == 0:
+            self._measure(reducer)
+        if not self.trial:
+            return
+        self._time_last(reducer)
+        if k == 2 * self.rounds * self.per_slot:
+            self._decide(reducer)
+            return
+        if k % self.per_slot == 0:  # a slot begins: the two tails in turn
+            self._use(reducer, self.trial["tails"][(k // self.per_slot) % 2])
+        self.trial["ran"][reducer.iteration + 1] = (k // self.per_slot, k % self.per_slot)
+
+    def _measure(self, reducer: Reducer) -> None:
+        backlogs = [b for t in list(reducer.history)[-self.window:]
+                    if (b := t.backlog_bytes()) is not None]
+        least, unknown = agreed_max(
+            reducer, [-statistics.median(backlogs) if backlogs else 0.0, float(not backlogs)])
+        if unknown:  # a rank records no timings (record_events=False): the default stays
+            self.tail = reducer.config.priority_tail_bytes
+            return
+        # At least a chunk: a link that keeps up on the median iteration still queues the
+        # gradients nearest the input behind the ones before them in the others (a convnet's
+        # first layers at 2 Gbit/s: 0.961 of torch's step with its 0.1 MiB backlog held, 0.929
+        # with 4 MiB; the same page).
+        self.backlog = backlog = max(int(-least), self.chunk)
+        current = reducer.config.priority_tail_bytes
+        base = reducer.layout_by_caps()
+        if _cut(reducer, base, backlog, self.chunk) == _cut(reducer, base, current, self.chunk):
+            self.tail = current  # the same buckets (a model smaller than both): nothing to try
+            return
+        self.trial = {"tails": (current, backlog), "ran": {}, "steps": {}}
+
+    def _time_last(self, reducer: Reducer) -> None:
+        """The last finished iteration's step, if it ran in the trial, not first in its slot,
+        and not after a pause (its forward then found every bucket landed)."""
+        history = list(reducer.history)[-2:]
+        if not history or (last := history[-1]).iteration not in self.trial["ran"]:
+            return
+        slot, place = self.trial["ran"].pop(last.iteration)
+        if place == 0 or not (last.forward_start_ns and last.backward_returned_ns):
+            return
+        ms = (last.backward_returned_ns - last.forward_start_ns) * 1e-6
+        if not after_pause(history, ms):
+            self.trial["steps"].setdefault(slot, []).append(ms)
+
+    def _use(self, reducer: Reducer, tail: int) -> None:
+        if reducer.config.priority_tail_bytes != tail:
+            reducer.send_tail_first(tail, self.chunk, layout=reducer.layout_by_caps(),
+                                    credit=self.credit)
+
+    def _decide(self, reducer: Reducer) -> None:
+        """Each round's backlog slot over its default slot; the median of those, the largest
+        over the ranks: the backlog is kept only if it was faster on every rank."""
+        steps = self.trial["steps"]
+        ratios = [statistics.median(steps[2 * r + 1]) / statistics.median(steps[2 * r])
+                  for r in range(self.rounds) if steps.get(2 * r) and steps.get(2 * r + 1)]
+        (score,) = agreed_max(reducer, [statistics.median(ratios) if ratios else math.inf])
+        current, backlog = self.trial["tails"]
+        self.score, self.trial = score, {}
+        self.tail = backlog if score < 1 - self.margin else current
+        self._use(reducer, self.tail)
+
+    @property
+    def decided_by(self) -> int:
+        """Synchronised forwards by which the tail is decided."""
+        return self.after + 2 * self.rounds * self.per_slot
+
+
+def _cut(reducer: Reducer, layout: list[list[int]], tail: int, chunk: int) -> list[list[int]]:
+    """`layout` as `Reducer.send_tail_first` would cut it for `tail` bytes."""
+    return priority_tail(layout, reducer.params, reducer.expect_sparse_gradient, tail, chunk)[0]
 
 
 def agree_on_parameters(group: Any, names: Sequence[str], held: Sequence[bool]) -> None:
