@@ -69,6 +69,6 @@ def test_the_generator_covers_what_it_promises():
     clipped = [c for c in overlapped if c.clip]
     assert any(c.tail is not None and c.tail[2] > 0 for c in clipped)  # chunks held by a credit
     assert any(c.micro_steps > 1 for c in clipped) and any(c.as_view for c in clipped)
-    measured = [c for c in overlapped if c.measure_at]
-    assert {c.measure_at for c in measured} == {2, 3} and all(c.tail is None for c in measured)
-    assert any(c.micro_steps > 1 for c in measured) and any(c.clip for c in measured)
+    measured = [c for c in overlapped if c.measure_at]  # where buckets land lazily: rare
+    assert measured and all(c.tail is None and c.hook == "none" and not c.find_unused
+                            and not c.static_graph for c in measured)
