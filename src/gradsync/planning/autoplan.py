@@ -665,7 +665,8 @@ def agreed_max(reducer: Reducer, values: list[float]) -> list[float]:
     """Each value's maximum over the ranks: the same inputs, hence the same decisions,
     everywhere."""
     agreed = torch.tensor(values, dtype=torch.float64, device=reducer.buckets[0].buffer.device)
-    what = "agreement on measured timings (bucket_cap_mb='auto')"
+    what = ("agreement on measured timings (bucket_cap_mb='auto', or overlap_optimizer's "
+            "measured tail)")
     return all_reduce(
         reducer.process_group, agreed, dist.ReduceOp.MAX, what, reducer.config.timeout
     ).tolist()
